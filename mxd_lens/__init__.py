@@ -1,0 +1,30 @@
+"""mxd-lens: sparse, faithful MLP replacements (Mixture of Decoders and transcoders) for
+TransformerLens models, in SAELens's format.
+
+    import mxd_lens
+    mxd = mxd_lens.MxD.for_model(model, layer=6, d_sae=mxd_lens.match_experts(24576, 768, 768, 3072), k=32)
+    with mxd_lens.splice(model, mxd):
+        loss = model(tokens, return_type="loss")
+"""
+
+from mxd_lens.hooks import capture_mlp_io, layer_metadata, splice
+from mxd_lens.layers import MxD, MxDConfig, SkipTranscoder, SkipTranscoderConfig, Transcoder, TranscoderConfig, register
+from mxd_lens.matching import match_experts
+
+register()
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "MxD",
+    "MxDConfig",
+    "SkipTranscoder",
+    "SkipTranscoderConfig",
+    "Transcoder",
+    "TranscoderConfig",
+    "capture_mlp_io",
+    "layer_metadata",
+    "match_experts",
+    "register",
+    "splice",
+]

@@ -1,0 +1,194 @@
+"""The one place that knows hook names: where block L's MLP reads and writes, and splicing.
+
+Where a layer reads: the exact input of ``blocks.L.mlp`` (after ln2 and its affine weights). SAELens's
+``HookedSAETransformer`` names it ``blocks.L.mlp.hook_in``, which is what a layer's metadata records.
+A plain ``HookedTransformer`` has no such hook (``ln2.hook_normalized`` is pre-affine unless LayerNorm
+is folded; ``hook_mlp_in`` is before ln2), so we read the MLP module's own input with a forward
+pre-hook: exact with LN folded or not, for sequential and parallel (Pythia, GPT-J) blocks alike.
+
+Where a layer writes: ``blocks.L.hook_mlp_out``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from sae_lens.saes.sae import SAEMetadata
+    from transformer_lens import HookedTransformer
+
+    from mxd_lens.layers.base import MLPReplacement
+
+_OUT_HOOK = re.compile(r"^blocks\.(\d+)\.hook_mlp_out$")
+
+
+def mlp_in_hook(layer: int) -> str:
+    return f"blocks.{layer}.mlp.hook_in"
+
+
+def mlp_out_hook(layer: int) -> str:
+    return f"blocks.{layer}.hook_mlp_out"
+
+
+def check_layer(model: HookedTransformer, layer: int) -> None:
+    """Raise a clear error unless block ``layer`` of ``model`` exists and has an MLP."""
+    n_layers = model.cfg.n_layers
+    if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < n_layers:
+        raise ValueError(f"layer {layer!r} does not exist: {model.cfg.model_name} has layers 0..{n_layers - 1}")
+    if model.cfg.attn_only or not hasattr(model.blocks[layer], "mlp"):
+        raise ValueError(f"{model.cfg.model_name} is attention-only: block {layer} has no MLP to replace")
+
+
+def mlp_module(model: HookedTransformer, layer: int) -> nn.Module:
+    check_layer(model, layer)
+    return model.blocks[layer].mlp
+
+
+def dense_mlp(model: HookedTransformer, layer: int) -> nn.Module:
+    """Block ``layer``'s MLP when ``hook_mlp_out`` is exactly ``W_out act(...) + b_out`` of a plain
+    or gated MLP (what ``MxD.from_mlp`` can copy); a clear error otherwise."""
+    from transformer_lens.components import MLP, GatedMLP
+
+    mlp = mlp_module(model, layer)
+    if not isinstance(mlp, (MLP, GatedMLP)):
+        raise ValueError(f"block {layer}'s MLP is a {type(mlp).__name__}; only MLP and GatedMLP can be copied")
+    if model.cfg.use_normalization_before_and_after or model.cfg.original_architecture in (
+        "Olmo2ForCausalLM",
+        "Olmo3ForCausalLM",
+    ):
+        raise ValueError(
+            f"{model.cfg.model_name} normalises the MLP output before hook_mlp_out; an MxD cannot copy "
+            "that MLP exactly (it can still be trained on it)"
+        )
+    if model.cfg.is_layer_norm_activation():
+        raise ValueError(f"act_fn={model.cfg.act_fn!r} has a LayerNorm inside the MLP; not supported")
+    return mlp
+
+
+def layer_metadata(model: HookedTransformer, layer: int) -> SAEMetadata:
+    """SAELens metadata for a layer that replaces block ``layer``'s MLP of ``model``."""
+    from sae_lens.saes.sae import SAEMetadata
+
+    check_layer(model, layer)
+    return SAEMetadata(
+        model_name=model.cfg.model_name,
+        model_class_name=type(model).__name__,
+        hook_name=mlp_in_hook(layer),
+        hook_name_out=mlp_out_hook(layer),
+        hook_layer=layer,
+    )
+
+
+def layer_index(layer: MLPReplacement[Any]) -> int:
+    """Which block a layer replaces, read from ``cfg.metadata.hook_name_out``."""
+    hook = layer.cfg.metadata.hook_name_out
+    match = _OUT_HOOK.match(hook or "")
+    if match is None:
+        raise ValueError(
+            f"{type(layer).__name__} has metadata.hook_name_out={hook!r}, not 'blocks.L.hook_mlp_out': "
+            "build it with .for_model(model, layer, ...) / MxD.from_mlp, or set "
+            "layer.cfg.metadata = mxd_lens.hooks.layer_metadata(model, layer)"
+        )
+    return int(match.group(1))
+
+
+def _check_fits(model: HookedTransformer, layer: MLPReplacement[Any], index: int) -> None:
+    check_layer(model, index)
+    d_model = model.cfg.d_model
+    if layer.cfg.d_in != d_model or layer.cfg.d_out != d_model:
+        raise ValueError(
+            f"{type(layer).__name__} maps {layer.cfg.d_in} -> {layer.cfg.d_out} but "
+            f"{model.cfg.model_name}'s MLPs map {d_model} -> {d_model}: it was built for another model"
+        )
+
+
+@contextmanager
+def capture_mlp_io(model: HookedTransformer, layers: Sequence[int]) -> Iterator[dict[int, dict[str, torch.Tensor]]]:
+    """Record (MLP input, hook_mlp_out) of each block in ``layers`` during forwards inside the block:
+    ``with capture_mlp_io(model, [3]) as io: model(tokens)`` then ``io[3]["in"], io[3]["out"]``."""
+    io: dict[int, dict[str, torch.Tensor]] = {layer: {} for layer in layers}
+    handles = []
+    fwd_hooks = []
+    try:
+        for layer in layers:
+            slot = io[layer]
+            handles.append(mlp_module(model, layer).register_forward_pre_hook(_store_input(slot)))
+
+            def store_out(out: torch.Tensor, hook: Any, slot: dict[str, torch.Tensor] = slot) -> None:
+                slot["out"] = out
+
+            fwd_hooks.append((mlp_out_hook(layer), store_out))
+        with model.hooks(fwd_hooks=fwd_hooks):
+            yield io
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _store_input(slot: dict[str, torch.Tensor]):
+    def pre_hook(module: nn.Module, args: tuple[torch.Tensor, ...]) -> None:
+        slot["in"] = args[0]
+
+    return pre_hook
+
+
+@contextmanager
+def splice(model: HookedTransformer, *layers: MLPReplacement[Any], error_term: bool = False) -> Iterator[HookedTransformer]:
+    """Run ``model`` with each layer's output in place of its block's ``hook_mlp_out``.
+
+    Each layer reads the exact input of the MLP it replaces and later blocks see its output. With
+    ``error_term=True`` the residual ``mlp_out - layer(x)`` (detached) is added back, so logits are
+    the clean ones while gradients and code edits flow through the layer. Hooks are removed on exit,
+    also when the block raises.
+    """
+    placed: dict[int, MLPReplacement[Any]] = {}
+    for layer in layers:
+        index = layer_index(layer)
+        if index in placed:
+            raise ValueError(f"two layers target block {index}'s MLP; splice at most one per block")
+        _check_fits(model, layer, index)
+        if not isinstance(model.hook_dict.get(mlp_out_hook(index)), _hook_point_type()):
+            raise ValueError(
+                f"{mlp_out_hook(index)} is not a plain HookPoint (an SAE is attached there?): "
+                "call model.reset_saes() first"
+            )
+        placed[index] = layer
+
+    handles = []
+    fwd_hooks = []
+    try:
+        for index, layer in placed.items():
+            slot: dict[str, torch.Tensor] = {}
+            handles.append(mlp_module(model, index).register_forward_pre_hook(_store_input(slot)))
+            fwd_hooks.append((mlp_out_hook(index), _replace_output(layer, slot, error_term)))
+        with model.hooks(fwd_hooks=fwd_hooks):
+            yield model
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _replace_output(layer: MLPReplacement[Any], slot: dict[str, torch.Tensor], error_term: bool):
+    def hook(mlp_out: torch.Tensor, hook: Any) -> torch.Tensor:
+        x = slot.pop("in")
+        out = layer(x).to(mlp_out.dtype)
+        if error_term:
+            with torch.no_grad():
+                clean = layer._forward_fast(x).to(mlp_out.dtype) if layer._code_hooks_active() else out
+                error = mlp_out - clean
+            out = out + error
+        return out
+
+    return hook
+
+
+def _hook_point_type() -> type:
+    from transformer_lens.hook_points import HookPoint
+
+    return HookPoint

@@ -1,0 +1,293 @@
+"""What every mxd-lens layer shares: the SAELens ``SAE`` contract for an MLP replacement.
+
+A layer maps the MLP input x [..., d_in] to the MLP output y [..., d_out] through K-sparse codes:
+
+    codes = encode(x)            # [..., d_sae], at most K non-zeros per token
+    y     = decode(codes)        # uses what the matching encode stashed (MxD: z; skip: x)
+    y     = forward(x)           # == decode(encode(x)), bit for bit, without the dense codes
+
+Subclasses say what decode needs from x (``_decode_context``) and how the K-row mixture
+``sum_n a_n W_dec[n]`` becomes the output (``_output``). Everything else lives here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+from sae_lens import SAE, SAEConfig
+from sae_lens.constants import SAE_CFG_FILENAME, SAE_WEIGHTS_FILENAME
+from safetensors.torch import save_file
+
+from mxd_lens.layers import ops
+
+C = TypeVar("C", bound="LayerConfig")
+
+
+@dataclass
+class LayerConfig(SAEConfig):
+    """Fields shared by all our layers. ``d_sae`` is the code width (MxD: the number of experts N)."""
+
+    d_out: int = 0
+    k: int = 32
+    apply_b_dec_to_input: bool = False
+
+    @classmethod
+    def architecture(cls) -> str:  # pragma: no cover - abstract in spirit
+        raise NotImplementedError
+
+    def __post_init__(self) -> None:
+        for name in ("d_in", "d_out", "d_sae"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{type(self).__name__}.{name} must be a positive int, got {value!r}")
+        if not isinstance(self.k, int) or not 0 < self.k <= self.d_sae:
+            raise ValueError(
+                f"{type(self).__name__}.k must satisfy 0 < k <= d_sae={self.d_sae}, got k={self.k!r}"
+            )
+        if self.apply_b_dec_to_input:
+            raise ValueError(
+                "apply_b_dec_to_input=True subtracts an output-space bias from the input; "
+                "it has no meaning for an MLP replacement: leave it False"
+            )
+        if self.normalize_activations != "none":
+            raise ValueError(
+                f"normalize_activations={self.normalize_activations!r} is not supported by "
+                f"{type(self).__name__}: the layer must read the raw MLP input; use 'none'"
+            )
+        super().__post_init__()
+
+
+@dataclass
+class _Stash:
+    """What ``encode`` leaves for ``decode``: the decode context and, while the returned codes are
+    untouched, their TopK indices (so decode gathers instead of searching)."""
+
+    lead_shape: torch.Size
+    context: Any
+    codes: weakref.ref | None
+    codes_version: int
+    indices: torch.Tensor
+
+
+class MLPReplacement(SAE[C]):
+    """Base class of MxD and the transcoders. Not registered; use a subclass."""
+
+    cfg: C
+    needs_decode_context = True
+
+    def __init__(self, cfg: C, use_error_term: bool = False):
+        super().__init__(cfg, use_error_term=use_error_term)
+        self._stash: _Stash | None = None
+
+    @classmethod
+    def for_model(cls, model: Any, layer: int, **cfg_fields: Any):
+        """A fresh layer sized for block ``layer``'s MLP of a HookedTransformer, with its hook
+        metadata set; ``cfg_fields`` are the remaining config fields (``d_sae``, ``k``, ...)."""
+        from mxd_lens import hooks
+
+        hooks.check_layer(model, layer)
+        fields = {
+            "d_in": model.cfg.d_model,
+            "d_out": model.cfg.d_model,
+            "dtype": str(model.cfg.dtype).removeprefix("torch."),
+            "device": str(model.cfg.device or "cpu"),
+            "metadata": hooks.layer_metadata(model, layer),
+            **cls._model_defaults(model),
+            **cfg_fields,
+        }
+        config_cls = cls.get_sae_config_class_for_architecture(cls._architecture())
+        return cls(config_cls(**fields))
+
+    @classmethod
+    def _model_defaults(cls, model: Any) -> dict[str, Any]:
+        return {}
+
+    @classmethod
+    def _architecture(cls) -> str:
+        for name, (sae_cls, _) in _registry().items():
+            if sae_cls is cls:
+                return name
+        raise RuntimeError(f"{cls.__name__} is not registered with SAELens; import mxd_lens first")
+
+    @classmethod
+    def get_sae_config_class_for_architecture(cls, architecture: str) -> type[SAEConfig]:
+        return _registry()[architecture][1]
+
+    # -- what subclasses provide ---------------------------------------------------------------
+    def _decode_context(self, x: torch.Tensor) -> Any:
+        """What decode needs from the input x [T, d_in] besides the codes."""
+        return None
+
+    def _output(self, mixture: torch.Tensor, context: Any) -> torch.Tensor:
+        """The layer output from ``mixture = codes @ W_dec`` [T, d_out] and the decode context."""
+        raise NotImplementedError
+
+    # -- the SAELens contract ------------------------------------------------------------------
+    def process_sae_in(self, sae_in: torch.Tensor) -> torch.Tensor:
+        if sae_in.shape[-1] != self.cfg.d_in:
+            raise ValueError(
+                f"{type(self).__name__} expects inputs of width d_in={self.cfg.d_in}, got shape "
+                f"{tuple(sae_in.shape)}; feed it the MLP input of the layer it was built for"
+            )
+        sae_in = sae_in.to(self.dtype)
+        return self.hook_sae_input(sae_in)
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        """Dense codes [..., d_sae] with at most K non-zeros: TopK_K(ReLU(x W_enc + b_enc))."""
+        x = self.process_sae_in(x)
+        lead, x2 = x.shape[:-1], x.reshape(-1, self.cfg.d_in)
+        pre = torch.addmm(self.b_enc, x2, self.W_enc).reshape(*lead, self.cfg.d_sae)
+        pre = self.hook_sae_acts_pre(pre)
+        values, indices = pre.topk(self.cfg.k, dim=-1, sorted=True)
+        codes = torch.zeros_like(pre).scatter(-1, indices, values.clamp_min(0.0))
+        out = self.hook_sae_acts_post(codes)
+        self._stash = _Stash(
+            lead_shape=lead,
+            context=self._decode_context(x2) if self.needs_decode_context else None,
+            codes=weakref.ref(out) if out is codes else None,
+            codes_version=out._version,
+            indices=indices.reshape(-1, self.cfg.k),
+        )
+        return out
+
+    def decode(self, feature_acts: torch.Tensor) -> torch.Tensor:
+        """The output [..., d_out] for codes from ``encode`` (edited codes are fine: steering)."""
+        if feature_acts.shape[-1] != self.cfg.d_sae:
+            raise ValueError(
+                f"{type(self).__name__}.decode expects codes of width d_sae={self.cfg.d_sae}, "
+                f"got shape {tuple(feature_acts.shape)}"
+            )
+        lead = feature_acts.shape[:-1]
+        codes = feature_acts.reshape(-1, self.cfg.d_sae)
+        stash = self._stash
+        context = None
+        if self.needs_decode_context:
+            if stash is None:
+                raise RuntimeError(
+                    f"{type(self).__name__}.decode needs the input of a matching encode (its output "
+                    "depends on x, not only on the codes): call encode(x) first, or forward(x)"
+                )
+            if stash.lead_shape != lead:
+                raise RuntimeError(
+                    f"{type(self).__name__}.decode got codes for batch shape {tuple(lead)} but the "
+                    f"last encode saw {tuple(stash.lead_shape)}: call encode on the matching input first"
+                )
+            context = stash.context
+        fresh = (
+            stash is not None
+            and stash.codes is not None
+            and stash.codes() is feature_acts
+            and feature_acts._version == stash.codes_version
+        )
+        if fresh:
+            indices = stash.indices
+            mixture = ops.decode_rows(codes.gather(-1, indices), indices, self.W_dec)
+        else:
+            sparse = ops.sparsify(codes)
+            if sparse is None:
+                mixture = ops.decode_dense(codes, self.W_dec)
+            else:
+                mixture = ops.decode_rows(sparse[0], sparse[1], self.W_dec)
+        out = self.hook_sae_recons(self._output(mixture, context))
+        return out.reshape(*lead, self.cfg.d_out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The layer output, equal to ``decode(encode(x))`` but never building the dense codes."""
+        if self.use_error_term:
+            raise RuntimeError(
+                "use_error_term needs the true MLP output, which a layer alone does not see: use "
+                "mxd_lens.splice(model, layer, error_term=True) or HookedSAETransformer.add_sae"
+            )
+        if self._code_hooks_active():
+            return self.hook_sae_output(self.decode(self.encode(x)))
+        return self.hook_sae_output(self._forward_fast(x))
+
+    def _forward_fast(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.process_sae_in(x)
+        lead, x2 = x.shape[:-1], x.reshape(-1, self.cfg.d_in)
+        values, indices = ops.topk_encode(x2, self.W_enc, self.b_enc, self.cfg.k)
+        mixture = ops.decode_rows(values, indices, self.W_dec)
+        out = self._output(mixture, self._decode_context(x2))
+        return out.reshape(*lead, self.cfg.d_out)
+
+    def encode_sparse(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The codes as (values [..., K], indices [..., K]), values sorted descending."""
+        x = self.process_sae_in(x)
+        return ops.topk_encode(x, self.W_enc, self.b_enc, self.cfg.k)
+
+    def forward_reference(self, x: torch.Tensor) -> torch.Tensor:
+        """The same map in its dense textbook form (full [T, d_sae] codes, plain autograd).
+        For tests and benchmarks; slow at real widths."""
+        x = self.process_sae_in(x)
+        lead, x2 = x.shape[:-1], x.reshape(-1, self.cfg.d_in)
+        codes = ops.topk_encode_dense(x2, self.W_enc, self.b_enc, self.cfg.k)
+        out = self._output(ops.decode_dense(codes, self.W_dec), self._decode_context(x2))
+        return out.reshape(*lead, self.cfg.d_out)
+
+    def _code_hooks_active(self) -> bool:
+        return any(
+            hp._forward_hooks or hp._forward_pre_hooks
+            for hp in (self.hook_sae_acts_pre, self.hook_sae_acts_post, self.hook_sae_recons)
+        )
+
+    # -- persistence -----------------------------------------------------------------------------
+    def save_model(self, path: str | Path) -> tuple[Path, Path]:
+        """Write ``cfg.json`` and ``sae_weights.safetensors`` (SAELens's format), each atomically."""
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        state_dict = {k: v.detach().contiguous() for k, v in self.state_dict().items()}
+        weights_path, cfg_path = path / SAE_WEIGHTS_FILENAME, path / SAE_CFG_FILENAME
+        _atomic_write(weights_path, lambda tmp: save_file(state_dict, tmp, metadata={"architecture": self.cfg.architecture()}))
+        text = json.dumps(self.cfg.to_dict(), indent=2)
+        _atomic_write(cfg_path, lambda tmp: Path(tmp).write_text(text))
+        return weights_path, cfg_path
+
+    def process_state_dict_for_loading(self, state_dict: dict[str, Any]) -> None:
+        expected = {k: tuple(v.shape) for k, v in self.state_dict().items()}
+        got = {k: tuple(v.shape) for k, v in state_dict.items()}
+        if expected != got:
+            missing = sorted(set(expected) - set(got))
+            extra = sorted(set(got) - set(expected))
+            shapes = sorted(k for k in set(expected) & set(got) if expected[k] != got[k])
+            raise ValueError(
+                f"weights do not fit {type(self).__name__}({self.cfg.architecture()!r}): "
+                f"missing {missing}, unexpected {extra}, wrong shape "
+                f"{[(k, got[k], expected[k]) for k in shapes]}; was the folder saved by another architecture?"
+            )
+
+
+def _registry() -> dict[str, Any]:
+    from sae_lens.registry import SAE_CLASS_REGISTRY
+
+    return SAE_CLASS_REGISTRY
+
+
+def _atomic_write(path: Path, write) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def uniform_(t: torch.Tensor, bound: float) -> torch.Tensor:
+    """In-place uniform(-bound, bound); a no-op on the meta device (SAELens builds layers there)."""
+    if t.device.type != "meta":
+        torch.nn.init.uniform_(t, -bound, bound)
+    return t
+
+
+def unit_rows_(t: torch.Tensor) -> torch.Tensor:
+    if t.device.type != "meta":
+        t.div_(t.norm(dim=-1, keepdim=True).clamp_min(1e-12))
+    return t

@@ -1,0 +1,112 @@
+"""The sparse hot path: a TopK encoder and a K-row decoder, each with a backward that touches only
+the K selected entries per token.
+
+Shapes: x [T, I], W [I, N], b [N]; a TopK code is (values [T, K], indices [T, K]).
+
+Dense forms of the same maps (for tests and benchmarks) are ``topk_encode_dense`` and
+``decode_dense``; they materialise the full [T, N] code matrix.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+class _TopKEncode(torch.autograd.Function):
+    """values, indices = TopK_K(ReLU(x W + b)), as a pair.
+
+    Forward is one dense matmul (x W is the irreducible cost of a gate over N units). Backward
+    uses only the K selected columns per token: dW = x^T S and db = colsum(S) with S the [T, N]
+    gradient that is zero outside the selection, done as an index_add over T*K rows instead of
+    a dense [I, T] x [T, N] product.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, W: torch.Tensor, b: torch.Tensor, k: int):
+        pre = torch.addmm(b, x, W)
+        values, indices = pre.topk(k, dim=-1, sorted=True)
+        values = values.clamp_min(0.0)
+        ctx.save_for_backward(x, W, values, indices)
+        ctx.mark_non_differentiable(indices)
+        return values, indices
+
+    @staticmethod
+    def backward(ctx, grad_values: torch.Tensor, _grad_indices: torch.Tensor | None):
+        x, W, values, indices = ctx.saved_tensors
+        n_tokens, k = indices.shape
+        # ReLU gate: the derivative is zero where the selected pre-activation was <= 0.
+        g = torch.where(values > 0, grad_values, torch.zeros_like(grad_values))
+        flat_idx = indices.reshape(-1)
+        grad_x = grad_W = grad_b = None
+        if ctx.needs_input_grad[0]:
+            # dx[t] = sum_k g[t, k] W[:, idx[t, k]]
+            grad_x = torch.einsum("tk,tki->ti", g, W.t()[indices])
+        if ctx.needs_input_grad[1]:
+            # dW^T[n] = sum over (t, k) with idx[t, k] = n of g[t, k] x[t]; rows of W^T are columns of W.
+            rows = (g.unsqueeze(-1) * x.unsqueeze(1)).reshape(n_tokens * k, -1)
+            grad_W_t = torch.zeros(W.shape[1], W.shape[0], dtype=W.dtype, device=W.device)
+            grad_W_t.index_add_(0, flat_idx, rows)
+            grad_W = grad_W_t.t()
+        if ctx.needs_input_grad[2]:
+            grad_b = torch.zeros(W.shape[1], dtype=g.dtype, device=g.device)
+            grad_b.index_add_(0, flat_idx, g.reshape(-1))
+        return grad_x, grad_W, grad_b, None
+
+
+def topk_encode(
+    x: torch.Tensor, W: torch.Tensor, b: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """TopK_K(ReLU(x W + b)) as (values [..., K], indices [..., K]), values sorted descending.
+
+    Fewer than K positive pre-activations leave zeros among the values (their gradient is zero).
+    """
+    lead = x.shape[:-1]
+    values, indices = _TopKEncode.apply(x.reshape(-1, x.shape[-1]), W, b, k)
+    return values.reshape(*lead, k), indices.reshape(*lead, k)
+
+
+def topk_encode_dense(x: torch.Tensor, W: torch.Tensor, b: torch.Tensor, k: int) -> torch.Tensor:
+    """Reference form of :func:`topk_encode`: the dense [..., N] codes, autograd all the way."""
+    pre = F.relu(x @ W + b)
+    values, indices = pre.topk(k, dim=-1)
+    return torch.zeros_like(pre).scatter(-1, indices, values)
+
+
+def decode_rows(values: torch.Tensor, indices: torch.Tensor, W: torch.Tensor) -> torch.Tensor:
+    """sum_k values[..., k] * W[indices[..., k]]: a gather of K rows of W [N, O] per token.
+
+    ``F.embedding_bag`` does the weighted sum without materialising [T, K, O]; its backward
+    writes only the gathered rows of W and gives the per-value gradient.
+    """
+    lead = indices.shape[:-1]
+    k = indices.shape[-1]
+    out = F.embedding_bag(
+        indices.reshape(-1, k),
+        W,
+        per_sample_weights=values.reshape(-1, k).to(W.dtype),
+        mode="sum",
+    )
+    return out.reshape(*lead, W.shape[-1])
+
+
+def decode_dense(codes: torch.Tensor, W: torch.Tensor) -> torch.Tensor:
+    """Reference form of :func:`decode_rows`: the dense product codes [..., N] @ W [N, O]."""
+    return codes @ W
+
+
+def sparsify(codes: torch.Tensor, max_fraction: float = 0.125) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(values, indices) holding every non-zero of ``codes`` [..., N], or None when the codes are
+    too dense for a gather to pay (more than ``max_fraction * N`` non-zeros in some row).
+
+    Values are gathered from ``codes`` itself, so gradients flow back to it.
+    """
+    if codes.numel() == 0:
+        return None
+    n = codes.shape[-1]
+    k = int((codes != 0).sum(-1).max().item())
+    if k > max_fraction * n:
+        return None
+    k = max(k, 1)
+    indices = codes.detach().abs().topk(k, dim=-1).indices
+    return codes.gather(-1, indices), indices

@@ -1,0 +1,77 @@
+"""TopK transcoder and skip transcoder: the paper's baselines.
+
+    f = TopK_K(ReLU(x W_enc + b_enc))     [..., d_sae] latents: the codes
+    y = f W_dec + b_dec                    Transcoder
+    y = f W_dec + b_dec + x W_skip         SkipTranscoder (W_skip [d_in, d_out], no bias)
+
+Unlike SAELens's inference-only ``skip_transcoder``, ``decode(encode(x))`` includes the skip term
+(encode stashes x), so splicing through ``HookedSAETransformer`` gives the same output as forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from mxd_lens.layers.base import LayerConfig, MLPReplacement, uniform_, unit_rows_
+
+
+@dataclass
+class TranscoderConfig(LayerConfig):
+    @classmethod
+    def architecture(cls) -> str:
+        return "mxd_lens.topk_transcoder"
+
+
+@dataclass
+class SkipTranscoderConfig(TranscoderConfig):
+    @classmethod
+    def architecture(cls) -> str:
+        return "mxd_lens.skip_transcoder"
+
+
+class Transcoder(MLPReplacement[TranscoderConfig]):
+    """TopK transcoder: a sparse dictionary from the MLP input to the MLP output."""
+
+    needs_decode_context = False
+    W_enc: nn.Parameter
+    b_enc: nn.Parameter
+    W_dec: nn.Parameter
+    b_dec: nn.Parameter
+
+    def initialize_weights(self) -> None:
+        cfg, kw = self.cfg, {"dtype": self.dtype, "device": self.device}
+        self.W_enc = nn.Parameter(uniform_(torch.empty(cfg.d_in, cfg.d_sae, **kw), cfg.d_in**-0.5))
+        self.b_enc = nn.Parameter(torch.zeros(cfg.d_sae, **kw))
+        self.W_dec = nn.Parameter(unit_rows_(uniform_(torch.empty(cfg.d_sae, cfg.d_out, **kw), 1.0)))
+        self.b_dec = nn.Parameter(torch.zeros(cfg.d_out, **kw))
+
+    def _output(self, mixture: torch.Tensor, context: None) -> torch.Tensor:
+        return mixture + self.b_dec
+
+
+class SkipTranscoder(MLPReplacement[SkipTranscoderConfig]):
+    """TopK transcoder plus a dense linear skip path ``x W_skip``."""
+
+    W_enc: nn.Parameter
+    b_enc: nn.Parameter
+    W_dec: nn.Parameter
+    b_dec: nn.Parameter
+    W_skip: nn.Parameter
+
+    def initialize_weights(self) -> None:
+        cfg, kw = self.cfg, {"dtype": self.dtype, "device": self.device}
+        self.W_enc = nn.Parameter(uniform_(torch.empty(cfg.d_in, cfg.d_sae, **kw), cfg.d_in**-0.5))
+        self.b_enc = nn.Parameter(torch.zeros(cfg.d_sae, **kw))
+        # Zero decoder and skip, as in the reference; unit-norm upkeep must skip zero rows (NaN otherwise).
+        self.W_dec = nn.Parameter(torch.zeros(cfg.d_sae, cfg.d_out, **kw))
+        self.b_dec = nn.Parameter(torch.zeros(cfg.d_out, **kw))
+        self.W_skip = nn.Parameter(torch.zeros(cfg.d_in, cfg.d_out, **kw))
+
+    def _decode_context(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def _output(self, mixture: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return mixture + self.b_dec + x @ self.W_skip
