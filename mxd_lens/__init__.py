@@ -8,7 +8,16 @@ TransformerLens models, in SAELens's format.
 """
 
 from mxd_lens.hooks import capture_mlp_io, layer_metadata, splice
-from mxd_lens.layers import MxD, MxDConfig, SkipTranscoder, SkipTranscoderConfig, Transcoder, TranscoderConfig, register
+from mxd_lens.layers import (
+    MxD,
+    MxDConfig,
+    SkipTranscoder,
+    SkipTranscoderConfig,
+    Transcoder,
+    TranscoderConfig,
+    register,
+)
+from mxd_lens.layers.io import load_layer
 from mxd_lens.matching import match_experts
 
 register()
@@ -24,6 +33,7 @@ __all__ = [
     "TranscoderConfig",
     "capture_mlp_io",
     "layer_metadata",
+    "load_layer",
     "match_experts",
     "register",
     "splice",

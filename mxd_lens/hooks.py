@@ -40,7 +40,9 @@ def check_layer(model: HookedTransformer, layer: int) -> None:
     """Raise a clear error unless block ``layer`` of ``model`` exists and has an MLP."""
     n_layers = model.cfg.n_layers
     if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < n_layers:
-        raise ValueError(f"layer {layer!r} does not exist: {model.cfg.model_name} has layers 0..{n_layers - 1}")
+        raise ValueError(
+            f"layer {layer!r} does not exist: {model.cfg.model_name} has layers 0..{n_layers - 1}"
+        )
     if model.cfg.attn_only or not hasattr(model.blocks[layer], "mlp"):
         raise ValueError(f"{model.cfg.model_name} is attention-only: block {layer} has no MLP to replace")
 
@@ -57,7 +59,9 @@ def dense_mlp(model: HookedTransformer, layer: int) -> nn.Module:
 
     mlp = mlp_module(model, layer)
     if not isinstance(mlp, (MLP, GatedMLP)):
-        raise ValueError(f"block {layer}'s MLP is a {type(mlp).__name__}; only MLP and GatedMLP can be copied")
+        raise ValueError(
+            f"block {layer}'s MLP is a {type(mlp).__name__}; only MLP and GatedMLP can be copied"
+        )
     if model.cfg.use_normalization_before_and_after or model.cfg.original_architecture in (
         "Olmo2ForCausalLM",
         "Olmo3ForCausalLM",
@@ -109,7 +113,9 @@ def _check_fits(model: HookedTransformer, layer: MLPReplacement[Any], index: int
 
 
 @contextmanager
-def capture_mlp_io(model: HookedTransformer, layers: Sequence[int]) -> Iterator[dict[int, dict[str, torch.Tensor]]]:
+def capture_mlp_io(
+    model: HookedTransformer, layers: Sequence[int]
+) -> Iterator[dict[int, dict[str, torch.Tensor]]]:
     """Record (MLP input, hook_mlp_out) of each block in ``layers`` during forwards inside the block:
     ``with capture_mlp_io(model, [3]) as io: model(tokens)`` then ``io[3]["in"], io[3]["out"]``."""
     io: dict[int, dict[str, torch.Tensor]] = {layer: {} for layer in layers}
@@ -139,7 +145,9 @@ def _store_input(slot: dict[str, torch.Tensor]):
 
 
 @contextmanager
-def splice(model: HookedTransformer, *layers: MLPReplacement[Any], error_term: bool = False) -> Iterator[HookedTransformer]:
+def splice(
+    model: HookedTransformer, *layers: MLPReplacement[Any], error_term: bool = False
+) -> Iterator[HookedTransformer]:
     """Run ``model`` with each layer's output in place of its block's ``hook_mlp_out``.
 
     Each layer reads the exact input of the MLP it replaces and later blocks see its output. With

@@ -15,7 +15,12 @@ def match_experts(transcoder_width: int, d_in: int, d_out: int, d_hidden: int, g
     >>> match_experts(32 * 768, 768, 768, 3072)  # GPT-2 small, m = 32
     21490
     """
-    for name, value in (("transcoder_width", transcoder_width), ("d_in", d_in), ("d_out", d_out), ("d_hidden", d_hidden)):
+    for name, value in (
+        ("transcoder_width", transcoder_width),
+        ("d_in", d_in),
+        ("d_out", d_out),
+        ("d_hidden", d_hidden),
+    ):
         if value <= 0:
             raise ValueError(f"{name} must be positive, got {value}")
     dense_cost = d_hidden * ((2 if glu else 1) * d_in + d_out)

@@ -6,7 +6,7 @@ same nonlinearity (``gelu_new`` and ``gelu_pytorch_tanh`` differ in rounding, fo
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F

@@ -244,7 +244,10 @@ class MLPReplacement(SAE[C]):
         path.mkdir(parents=True, exist_ok=True)
         state_dict = {k: v.detach().contiguous() for k, v in self.state_dict().items()}
         weights_path, cfg_path = path / SAE_WEIGHTS_FILENAME, path / SAE_CFG_FILENAME
-        _atomic_write(weights_path, lambda tmp: save_file(state_dict, tmp, metadata={"architecture": self.cfg.architecture()}))
+        _atomic_write(
+            weights_path,
+            lambda tmp: save_file(state_dict, tmp, metadata={"architecture": self.cfg.architecture()}),
+        )
         text = json.dumps(self.cfg.to_dict(), indent=2)
         _atomic_write(cfg_path, lambda tmp: Path(tmp).write_text(text))
         return weights_path, cfg_path

@@ -39,7 +39,9 @@ class MxDConfig(LayerConfig):
 
     def __post_init__(self) -> None:
         if not isinstance(self.d_hidden, int) or self.d_hidden <= 0:
-            raise ValueError(f"MxDConfig.d_hidden must be a positive int (the host MLP width), got {self.d_hidden!r}")
+            raise ValueError(
+                f"MxDConfig.d_hidden must be a positive int (the host MLP width), got {self.d_hidden!r}"
+            )
         get_activation(self.activation)
         if self.hidden_form not in ("mlp", "glu"):
             raise ValueError(f"MxDConfig.hidden_form must be 'mlp' or 'glu', got {self.hidden_form!r}")
@@ -103,9 +105,7 @@ class MxD(MLPReplacement[MxDConfig]):
         }
 
     @classmethod
-    def from_mlp(
-        cls, model: HookedTransformer, layer: int, n_experts: int | None = None, k: int = 1
-    ) -> MxD:
+    def from_mlp(cls, model: HookedTransformer, layer: int, n_experts: int | None = None, k: int = 1) -> MxD:
         """An MxD that computes block ``layer``'s MLP exactly: E, D copied, every c_n = 1 and expert
         0 always on with coefficient 1 (G = 0, b_G = e_0). It shows MxD contains the MLP, and is a
         warm start for training."""

@@ -1,0 +1,41 @@
+"""Loading a saved layer with errors that say what is wrong with the folder."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from sae_lens.constants import SAE_CFG_FILENAME, SAE_WEIGHTS_FILENAME
+
+from mxd_lens.layers.base import MLPReplacement
+
+
+def load_layer(path: str | Path, device: str = "cpu", dtype: str | None = None) -> MLPReplacement:
+    """Load an MxD / transcoder folder written by ``save_model``; ``sae_lens.SAE.load_from_disk``
+    gives the same object once ``mxd_lens`` is imported, this adds clear errors for bad folders."""
+    from sae_lens import SAE
+
+    from mxd_lens.layers import LAYER_TYPES
+
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(
+            f"{path} is not a folder; expected one holding {SAE_CFG_FILENAME} and {SAE_WEIGHTS_FILENAME}"
+        )
+    missing = [name for name in (SAE_CFG_FILENAME, SAE_WEIGHTS_FILENAME) if not (path / name).is_file()]
+    if missing:
+        raise FileNotFoundError(
+            f"{path} lacks {missing}; a saved layer holds {SAE_CFG_FILENAME} and {SAE_WEIGHTS_FILENAME}"
+        )
+    try:
+        cfg = json.loads((path / SAE_CFG_FILENAME).read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path / SAE_CFG_FILENAME} is not valid JSON ({err})") from None
+    ours = [config_cls.architecture() for _, config_cls in LAYER_TYPES]
+    architecture = cfg.get("architecture") if isinstance(cfg, dict) else None
+    if architecture not in ours:
+        raise ValueError(
+            f"{path} holds architecture {architecture!r}, not one of mxd-lens's {ours}; "
+            "load other SAELens architectures with sae_lens.SAE.load_from_disk"
+        )
+    return SAE.load_from_disk(path, device=device, dtype=dtype)

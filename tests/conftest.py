@@ -1,0 +1,90 @@
+"""Tiny random TransformerLens models of the three block shapes we support, built offline."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest
+import torch
+from transformer_lens import HookedTransformer, HookedTransformerConfig
+
+import mxd_lens  # noqa: F401  (registers our architectures with SAELens)
+
+D_VOCAB = 61
+
+KINDS = {
+    # GPT-2-like: LayerNorm, GELU (tanh approximation), sequential blocks.
+    "gpt2": dict(normalization_type="LN", act_fn="gelu_new"),
+    # Llama/SmolLM-like: RMSNorm, gated SiLU MLP, rotary.
+    "gated": dict(
+        normalization_type="RMS",
+        act_fn="silu",
+        gated_mlp=True,
+        positional_embedding_type="rotary",
+        rotary_dim=4,
+    ),
+    # Pythia-like: attention and MLP in parallel, exact GELU, rotary.
+    "parallel": dict(
+        normalization_type="LN",
+        act_fn="gelu",
+        parallel_attn_mlp=True,
+        positional_embedding_type="rotary",
+        rotary_dim=4,
+    ),
+}
+
+
+def make_model(
+    kind: str = "gpt2",
+    fold_ln: bool = False,
+    cls: type = HookedTransformer,
+    seed: int = 0,
+    dtype=torch.float32,
+):
+    """A 3-layer random model; LayerNorm weights are randomised so folding them is not a no-op."""
+    torch.manual_seed(seed)
+    cfg = HookedTransformerConfig(
+        n_layers=3,
+        d_model=16,
+        n_ctx=12,
+        d_head=4,
+        n_heads=4,
+        d_mlp=40,
+        d_vocab=D_VOCAB,
+        seed=seed,
+        dtype=dtype,
+        device="cpu",
+        model_name=f"tiny-{kind}",
+        **KINDS[kind],
+    )
+    model = cls(cfg)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if ".ln" in name or name.startswith("ln_final"):
+                param.copy_(
+                    1.0 + 0.5 * torch.randn_like(param)
+                    if name.endswith(".w")
+                    else 0.3 * torch.randn_like(param)
+                )
+            elif name.endswith("b_in") or name.endswith("b_out"):
+                param.copy_(0.2 * torch.randn_like(param))
+    if fold_ln:
+        model.process_weights_(fold_ln=True, center_writing_weights=False, center_unembed=False)
+    model.eval()
+    return model
+
+
+@pytest.fixture
+def tokens() -> torch.Tensor:
+    return torch.randint(0, D_VOCAB, (3, 12), generator=torch.Generator().manual_seed(1))
+
+
+@pytest.fixture(
+    params=[(k, f) for k in KINDS for f in (False, True)],
+    ids=lambda p: f"{p[0]}-{'folded' if p[1] else 'unfolded'}",
+)
+def any_model(request):
+    kind, folded = request.param
+    return make_model(kind, fold_ln=folded)

@@ -1,0 +1,166 @@
+"""Hook resolution and splicing on GPT-2-like, gated and parallel blocks, LN folded and not."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_model
+
+import mxd_lens
+from mxd_lens import MxD, SkipTranscoder, Transcoder, hooks
+
+
+def _trained_like(layer, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    return layer
+
+
+def _mlp_input_by_hand(model, layer, tokens):
+    """The MLP input recomputed from the residual stream with the block's own norm module."""
+    _, cache = model.run_with_cache(tokens)
+    block = model.blocks[layer]
+    resid = (
+        cache[f"blocks.{layer}.hook_resid_pre"]
+        if model.cfg.parallel_attn_mlp
+        else cache[f"blocks.{layer}.hook_resid_mid"]
+    )
+    return block.ln2(resid), cache[f"blocks.{layer}.hook_mlp_out"]
+
+
+def test_captured_mlp_input_is_the_exact_one(any_model, tokens):
+    with mxd_lens.capture_mlp_io(any_model, [0, 2]) as io:
+        any_model(tokens)
+    for layer in (0, 2):
+        x, out = _mlp_input_by_hand(any_model, layer, tokens)
+        torch.testing.assert_close(io[layer]["in"], x, rtol=0, atol=0)
+        torch.testing.assert_close(io[layer]["out"], out, rtol=0, atol=0)
+        # and the MLP applied to it is hook_mlp_out
+        torch.testing.assert_close(any_model.blocks[layer].mlp(x), out, rtol=1e-6, atol=1e-6)
+
+
+def test_from_mlp_reproduces_the_host_mlp(any_model, tokens):
+    for layer in range(any_model.cfg.n_layers):
+        mxd = MxD.from_mlp(any_model, layer)
+        assert mxd.cfg.hidden_form == ("glu" if any_model.cfg.gated_mlp else "mlp")
+        with mxd_lens.capture_mlp_io(any_model, [layer]) as io:
+            any_model(tokens)
+        torch.testing.assert_close(mxd(io[layer]["in"]), io[layer]["out"], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            mxd.decode(mxd.encode(io[layer]["in"])), io[layer]["out"], rtol=1e-5, atol=1e-5
+        )
+
+
+def test_spliced_from_mlp_keeps_the_logits(any_model, tokens):
+    clean = any_model(tokens)
+    layers = [MxD.from_mlp(any_model, layer, n_experts=8, k=2) for layer in range(any_model.cfg.n_layers)]
+    with mxd_lens.splice(any_model, *layers):
+        spliced = any_model(tokens)
+    torch.testing.assert_close(spliced, clean, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("layer_type", [MxD, Transcoder, SkipTranscoder])
+def test_error_term_restores_clean_logits_and_exit_restores_model(any_model, tokens, layer_type):
+    clean = any_model(tokens)
+    layer = _trained_like(layer_type.for_model(any_model, 1, d_sae=24, k=4))
+    with mxd_lens.splice(any_model, layer):
+        spliced = any_model(tokens)
+    assert (spliced - clean).abs().max() > 1e-3  # the replacement is not the MLP
+    with mxd_lens.splice(any_model, layer, error_term=True):
+        with_error = any_model(tokens)
+    torch.testing.assert_close(with_error, clean, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(any_model(tokens), clean, rtol=0, atol=0)
+    assert not any(hp._forward_hooks for hp in any_model.hook_dict.values())
+    assert not any(block.mlp._forward_pre_hooks for block in any_model.blocks)
+
+
+def test_error_term_passes_gradients_and_code_edits_through(tokens):
+    model = make_model("gpt2")
+    layer = _trained_like(MxD.for_model(model, 0, d_sae=24, k=4))
+    with mxd_lens.splice(model, layer, error_term=True):
+        model(tokens).sum().backward()
+    assert layer.W_enc.grad is not None and layer.W_enc.grad.abs().sum() > 0
+    clean = model(tokens)
+    layer.hook_sae_acts_post.add_hook(lambda acts, hook: acts * 0)  # ablate every code
+    try:
+        with mxd_lens.splice(model, layer, error_term=True):
+            ablated = model(tokens)
+    finally:
+        layer.hook_sae_acts_post.remove_hooks()
+    assert (ablated - clean).abs().max() > 1e-3
+
+
+def test_model_is_restored_after_an_exception(tokens):
+    model = make_model("gated")
+    clean = model(tokens)
+    layers = [_trained_like(Transcoder.for_model(model, i, d_sae=20, k=3), seed=i) for i in (0, 2)]
+    with pytest.raises(KeyError, match="boom"):
+        with mxd_lens.splice(model, *layers):
+            assert (model(tokens) - clean).abs().max() > 1e-3
+            raise KeyError("boom")
+    torch.testing.assert_close(model(tokens), clean, rtol=0, atol=0)
+
+
+def test_several_layers_at_once_equal_sequential_manual_replacement(tokens):
+    model = make_model("parallel")
+    layers = {i: _trained_like(MxD.for_model(model, i, d_sae=16, k=3), seed=i) for i in (0, 2)}
+    with mxd_lens.splice(model, *layers.values()):
+        spliced = model(tokens)
+
+    # Reference: replace hook_mlp_out by hand with TransformerLens hooks, reading ln2's output.
+    def replace(i):
+        def hook(out, hook):
+            resid = model.blocks[i].hook_resid_pre.ctx["x"]
+            return layers[i](model.blocks[i].ln2(resid))
+
+        return hook
+
+    def keep(i):
+        def hook(resid, hook):
+            hook.ctx["x"] = resid
+
+        return hook
+
+    fwd = [(f"blocks.{i}.hook_resid_pre", keep(i)) for i in layers] + [
+        (f"blocks.{i}.hook_mlp_out", replace(i)) for i in layers
+    ]
+    manual = model.run_with_hooks(tokens, fwd_hooks=fwd)
+    model.reset_hooks(including_permanent=True, clear_contexts=True)
+    torch.testing.assert_close(spliced, manual, rtol=1e-6, atol=1e-6)
+
+
+def test_bad_layers_and_models_are_refused(tokens):
+    model = make_model("gpt2")
+    with pytest.raises(ValueError, match="layer 3 does not exist.*0..2"):
+        MxD.from_mlp(model, 3)
+    with pytest.raises(ValueError, match="layer -1 does not exist"):
+        Transcoder.for_model(model, -1, d_sae=8, k=2)
+    wide = Transcoder.for_model(model, 0, d_sae=8, k=2)
+    wide.cfg.d_in = wide.cfg.d_out = 32
+    with pytest.raises(ValueError, match="maps 32 -> 32"):
+        with mxd_lens.splice(model, wide):
+            pass
+    orphan = Transcoder(mxd_lens.TranscoderConfig(d_in=16, d_out=16, d_sae=8, k=2))
+    with pytest.raises(ValueError, match="hook_name_out=None"):
+        with mxd_lens.splice(model, orphan):
+            pass
+    a, b = (Transcoder.for_model(model, 1, d_sae=8, k=2) for _ in range(2))
+    with pytest.raises(ValueError, match="two layers target block 1"):
+        with mxd_lens.splice(model, a, b):
+            pass
+    attn_only = make_model("gpt2")
+    attn_only.cfg.attn_only = True
+    with pytest.raises(ValueError, match="attention-only"):
+        hooks.check_layer(attn_only, 0)
+
+
+def test_metadata_names_the_hooks():
+    model = make_model("gpt2")
+    meta = Transcoder.for_model(model, 2, d_sae=8, k=2).cfg.metadata
+    assert (meta.hook_name, meta.hook_name_out, meta.model_name) == (
+        "blocks.2.mlp.hook_in",
+        "blocks.2.hook_mlp_out",
+        "tiny-gpt2",
+    )
