@@ -20,9 +20,20 @@ def _check(args: argparse.Namespace) -> int:
 
     torch.manual_seed(args.seed)
     rows = []
-    for kind, extra in (("gpt2-like", dict(act_fn="gelu_new")), ("gated", dict(act_fn="silu", gated_mlp=True, normalization_type="RMS"))):
+    for kind, extra in (
+        ("gpt2-like", dict(act_fn="gelu_new")),
+        ("gated", dict(act_fn="silu", gated_mlp=True, normalization_type="RMS")),
+    ):
         cfg = HookedTransformerConfig(
-            n_layers=2, d_model=64, n_ctx=32, d_head=16, n_heads=4, d_mlp=256, d_vocab=200, model_name=f"random-{kind}", **extra
+            n_layers=2,
+            d_model=64,
+            n_ctx=32,
+            d_head=16,
+            n_heads=4,
+            d_mlp=256,
+            d_vocab=200,
+            model_name=f"random-{kind}",
+            **extra,
         )
         model = HookedTransformer(cfg)
         tokens = torch.randint(0, cfg.d_vocab, (4, 32))
@@ -33,7 +44,9 @@ def _check(args: argparse.Namespace) -> int:
             layers = {
                 "MxD.from_mlp": mxd_lens.MxD.from_mlp(model, 1),
                 f"MxD (N={n}, untrained)": mxd_lens.MxD.for_model(model, 1, d_sae=n, k=args.k),
-                f"Transcoder (H={width}, untrained)": mxd_lens.Transcoder.for_model(model, 1, d_sae=width, k=args.k),
+                f"Transcoder (H={width}, untrained)": mxd_lens.Transcoder.for_model(
+                    model, 1, d_sae=width, k=args.k
+                ),
             }
             for name, layer in layers.items():
                 with tempfile.TemporaryDirectory() as folder:
@@ -59,7 +72,9 @@ def main(argv: list[str] | None = None) -> int:
         description=_check.__doc__,
     )
     check.add_argument("--k", type=int, default=8, help="active experts / latents per token (default 8)")
-    check.add_argument("--m", type=int, default=8, help="transcoder width multiplier; MxD is parameter-matched (default 8)")
+    check.add_argument(
+        "--m", type=int, default=8, help="transcoder width multiplier; MxD is parameter-matched (default 8)"
+    )
     check.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     check.set_defaults(func=_check)
     args = parser.parse_args(argv)

@@ -9,8 +9,12 @@ Dense forms of the same maps (for tests and benchmarks) are ``topk_encode_dense`
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.nn.functional as F
+
+warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta state")
 
 
 class _TopKEncode(torch.autograd.Function):
@@ -18,8 +22,8 @@ class _TopKEncode(torch.autograd.Function):
 
     Forward is one dense matmul (x W is the irreducible cost of a gate over N units). Backward
     uses only the K selected columns per token: dW = x^T S and db = colsum(S) with S the [T, N]
-    gradient that is zero outside the selection, done as an index_add over T*K rows instead of
-    a dense [I, T] x [T, N] product.
+    gradient that is zero outside the selection, held as a sparse CSR matrix (T*K entries)
+    instead of a dense [I, T] x [T, N] product.
     """
 
     @staticmethod
@@ -43,11 +47,19 @@ class _TopKEncode(torch.autograd.Function):
             # dx[t] = sum_k g[t, k] W[:, idx[t, k]]
             grad_x = torch.einsum("tk,tki->ti", g, W.t()[indices])
         if ctx.needs_input_grad[1]:
-            # dW^T[n] = sum over (t, k) with idx[t, k] = n of g[t, k] x[t]; rows of W^T are columns of W.
-            rows = (g.unsqueeze(-1) * x.unsqueeze(1)).reshape(n_tokens * k, -1)
-            grad_W_t = torch.zeros(W.shape[1], W.shape[0], dtype=W.dtype, device=W.device)
-            grad_W_t.index_add_(0, flat_idx, rows)
-            grad_W = grad_W_t.t()
+            # dW = x^T S with S the [T, N] gradient as a CSR matrix of T*K entries (columns sorted
+            # within each row, as CSR wants). dense @ CSR writes W's own [I, N] layout directly,
+            # so autograd does not copy a transposed gradient into place.
+            order = indices.argsort(dim=-1)
+            crow = torch.arange(0, n_tokens * k + 1, k, device=x.device)
+            S = torch.sparse_csr_tensor(
+                crow,
+                indices.gather(-1, order).reshape(-1),
+                g.gather(-1, order).reshape(-1),
+                size=(n_tokens, W.shape[1]),
+                check_invariants=False,
+            )
+            grad_W = torch.mm(x.t(), S)
         if ctx.needs_input_grad[2]:
             grad_b = torch.zeros(W.shape[1], dtype=g.dtype, device=g.device)
             grad_b.index_add_(0, flat_idx, g.reshape(-1))
