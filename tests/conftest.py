@@ -76,6 +76,15 @@ def make_model(
     return model
 
 
+def randomise(layer, seed: int = 0, scale: float = 0.3):
+    """Random values in every parameter, as after training (D, W_skip start at zero and would hide bugs)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype) * scale)
+    return layer
+
+
 @pytest.fixture
 def tokens() -> torch.Tensor:
     return torch.randint(0, D_VOCAB, (3, 12), generator=torch.Generator().manual_seed(1))

@@ -9,7 +9,9 @@ import layer_speed  # noqa: E402
 
 
 def test_layer_speed_runs_on_tiny_dims_and_checks_agreement(capsys):
-    result = layer_speed.run(["--tokens", "32", "--m", "2", "--d-model", "32", "--d-hidden", "32", "--k", "4", "--repeats", "1"])
+    result = layer_speed.run(
+        ["--tokens", "32", "--m", "2", "--d-model", "32", "--d-hidden", "32", "--k", "4", "--repeats", "1"]
+    )
     assert result["dims"].n_experts == 32
     assert result["agreement"]["mxd output max|diff|"] < 1e-4
     assert result["agreement"]["tc output max|diff|"] < 1e-4

@@ -4,18 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_model
+from conftest import make_model, randomise
 
 import mxd_lens
 from mxd_lens import MxD, SkipTranscoder, Transcoder, hooks
-
-
-def _trained_like(layer, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in layer.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
-    return layer
 
 
 def _mlp_input_by_hand(model, layer, tokens):
@@ -64,7 +56,7 @@ def test_spliced_from_mlp_keeps_the_logits(any_model, tokens):
 @pytest.mark.parametrize("layer_type", [MxD, Transcoder, SkipTranscoder])
 def test_error_term_restores_clean_logits_and_exit_restores_model(any_model, tokens, layer_type):
     clean = any_model(tokens)
-    layer = _trained_like(layer_type.for_model(any_model, 1, d_sae=24, k=4))
+    layer = randomise(layer_type.for_model(any_model, 1, d_sae=24, k=4))
     with mxd_lens.splice(any_model, layer):
         spliced = any_model(tokens)
     assert (spliced - clean).abs().max() > 1e-3  # the replacement is not the MLP
@@ -78,7 +70,7 @@ def test_error_term_restores_clean_logits_and_exit_restores_model(any_model, tok
 
 def test_error_term_passes_gradients_and_code_edits_through(tokens):
     model = make_model("gpt2")
-    layer = _trained_like(MxD.for_model(model, 0, d_sae=24, k=4))
+    layer = randomise(MxD.for_model(model, 0, d_sae=24, k=4))
     with mxd_lens.splice(model, layer, error_term=True):
         model(tokens).sum().backward()
     assert layer.W_enc.grad is not None and layer.W_enc.grad.abs().sum() > 0
@@ -95,7 +87,7 @@ def test_error_term_passes_gradients_and_code_edits_through(tokens):
 def test_model_is_restored_after_an_exception(tokens):
     model = make_model("gated")
     clean = model(tokens)
-    layers = [_trained_like(Transcoder.for_model(model, i, d_sae=20, k=3), seed=i) for i in (0, 2)]
+    layers = [randomise(Transcoder.for_model(model, i, d_sae=20, k=3), seed=i) for i in (0, 2)]
     with pytest.raises(KeyError, match="boom"):
         with mxd_lens.splice(model, *layers):
             assert (model(tokens) - clean).abs().max() > 1e-3
@@ -105,7 +97,7 @@ def test_model_is_restored_after_an_exception(tokens):
 
 def test_several_layers_at_once_equal_sequential_manual_replacement(tokens):
     model = make_model("parallel")
-    layers = {i: _trained_like(MxD.for_model(model, i, d_sae=16, k=3), seed=i) for i in (0, 2)}
+    layers = {i: randomise(MxD.for_model(model, i, d_sae=16, k=3), seed=i) for i in (0, 2)}
     with mxd_lens.splice(model, *layers.values()):
         spliced = model(tokens)
 

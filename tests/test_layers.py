@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from conftest import randomise
 
 from mxd_lens import MxD, MxDConfig, SkipTranscoder, SkipTranscoderConfig, Transcoder, TranscoderConfig
 from mxd_lens.layers import ops
@@ -13,28 +14,19 @@ from mxd_lens.layers import ops
 I, O, H_STAR, N, K = 6, 5, 7, 13, 3
 
 
-def _randomise(layer, seed=0):
-    """Random values in every parameter (D and W_skip start at zero, which would hide bugs)."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in layer.parameters():
-            p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.5)
-    return layer
-
-
 def make_mxd(form="mlp", activation="gelu_new", dtype="float32", n=N, k=K):
     cfg = MxDConfig(
         d_in=I, d_out=O, d_sae=n, k=k, d_hidden=H_STAR, activation=activation, hidden_form=form, dtype=dtype
     )
-    return _randomise(MxD(cfg))
+    return randomise(MxD(cfg), scale=0.5)
 
 
 def make_layers(dtype="float32"):
     return {
         "mxd": make_mxd(dtype=dtype),
         "mxd_glu": make_mxd("glu", "silu", dtype=dtype),
-        "transcoder": _randomise(Transcoder(TranscoderConfig(d_in=I, d_out=O, d_sae=N, k=K, dtype=dtype))),
-        "skip": _randomise(SkipTranscoder(SkipTranscoderConfig(d_in=I, d_out=O, d_sae=N, k=K, dtype=dtype))),
+        "transcoder": randomise(Transcoder(TranscoderConfig(d_in=I, d_out=O, d_sae=N, k=K, dtype=dtype))),
+        "skip": randomise(SkipTranscoder(SkipTranscoderConfig(d_in=I, d_out=O, d_sae=N, k=K, dtype=dtype))),
     }
 
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from conftest import make_model
+from conftest import make_model, randomise
 from sae_lens import SAE, HookedSAETransformer
 
 import mxd_lens
@@ -15,19 +15,11 @@ from mxd_lens import MxD, SkipTranscoder, Transcoder
 LAYER_TYPES = [MxD, Transcoder, SkipTranscoder]
 
 
-def _trained_like(layer, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in layer.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
-    return layer
-
-
 @pytest.mark.parametrize("kind", ["gpt2", "gated"])
 @pytest.mark.parametrize("layer_type", LAYER_TYPES)
 def test_save_load_round_trip_gives_identical_layer_and_logits(tmp_path, tokens, kind, layer_type):
     model = make_model(kind)
-    layer = _trained_like(layer_type.for_model(model, 1, d_sae=24, k=4))
+    layer = randomise(layer_type.for_model(model, 1, d_sae=24, k=4))
     layer.save_model(tmp_path)
     cfg = json.loads((tmp_path / "cfg.json").read_text())
     assert cfg["architecture"].startswith("mxd_lens.")
@@ -58,7 +50,7 @@ def test_hooked_sae_transformer_add_sae_equals_splice(tokens, kind, layer_type, 
     hsat = make_model(kind, cls=HookedSAETransformer)
     hsat.load_state_dict(model.state_dict())
     torch.testing.assert_close(hsat(tokens), model(tokens), rtol=0, atol=0)
-    layer = _trained_like(layer_type.for_model(model, 2, d_sae=24, k=4))
+    layer = randomise(layer_type.for_model(model, 2, d_sae=24, k=4))
     with mxd_lens.splice(model, layer, error_term=error_term):
         spliced = model(tokens)
     hsat.add_sae(layer, use_error_term=error_term)
@@ -72,7 +64,7 @@ def test_hooked_sae_transformer_add_sae_equals_splice(tokens, kind, layer_type, 
 
 def test_splice_also_works_on_hooked_sae_transformer(tokens):
     hsat = make_model("gated", cls=HookedSAETransformer)
-    layer = _trained_like(MxD.for_model(hsat, 0, d_sae=24, k=4))
+    layer = randomise(MxD.for_model(hsat, 0, d_sae=24, k=4))
     clean = hsat(tokens)
     with mxd_lens.splice(hsat, layer, error_term=True):
         torch.testing.assert_close(hsat(tokens), clean, rtol=1e-5, atol=1e-5)

@@ -24,6 +24,7 @@ import torch
 from sae_lens import SAE, SAEConfig
 from sae_lens.constants import SAE_CFG_FILENAME, SAE_WEIGHTS_FILENAME
 from safetensors.torch import save_file
+from torch import nn
 
 from mxd_lens.layers import ops
 
@@ -119,6 +120,18 @@ class MLPReplacement(SAE[C]):
     @classmethod
     def get_sae_config_class_for_architecture(cls, architecture: str) -> type[SAEConfig]:
         return _registry()[architecture][1]
+
+    def _init_dictionary(self, zero_decoder: bool = False) -> None:
+        """The parameters every layer has: the TopK encoder (W_enc as ``nn.Linear`` would draw it,
+        b_enc = 0) and the dictionary W_dec (uniform(-1, 1) rows scaled to unit norm, or zero), b_dec = 0."""
+        cfg, kw = self.cfg, {"dtype": self.dtype, "device": self.device}
+        self.W_enc = nn.Parameter(uniform_(torch.empty(cfg.d_in, cfg.d_sae, **kw), cfg.d_in**-0.5))
+        self.b_enc = nn.Parameter(torch.zeros(cfg.d_sae, **kw))
+        W_dec = torch.zeros(cfg.d_sae, cfg.d_out, **kw)
+        if not zero_decoder:
+            unit_rows_(uniform_(W_dec, 1.0))
+        self.W_dec = nn.Parameter(W_dec)
+        self.b_dec = nn.Parameter(torch.zeros(cfg.d_out, **kw))
 
     # -- what subclasses provide ---------------------------------------------------------------
     def _decode_context(self, x: torch.Tensor) -> Any:

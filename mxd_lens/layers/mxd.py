@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from mxd_lens.layers.activations import get_activation
-from mxd_lens.layers.base import LayerConfig, MLPReplacement, uniform_, unit_rows_
+from mxd_lens.layers.base import LayerConfig, MLPReplacement, uniform_
 
 if TYPE_CHECKING:
     from transformer_lens import HookedTransformer
@@ -73,11 +73,8 @@ class MxD(MLPReplacement[MxDConfig]):
             self.W_in_gate = nn.Parameter(uniform_(torch.empty(cfg.d_in, cfg.d_hidden, **kw), cfg.d_in**-0.5))
             self.b_in_gate = nn.Parameter(torch.zeros(cfg.d_hidden, **kw))
         self.W_out = nn.Parameter(torch.zeros(cfg.d_hidden, cfg.d_out, **kw))
-        self.W_enc = nn.Parameter(uniform_(torch.empty(cfg.d_in, cfg.d_sae, **kw), cfg.d_in**-0.5))
-        self.b_enc = nn.Parameter(torch.zeros(cfg.d_sae, **kw))
-        # C: uniform(-1, 1) rows scaled to unit norm (the a_n * c_n scale symmetry makes this free).
-        self.W_dec = nn.Parameter(unit_rows_(uniform_(torch.empty(cfg.d_sae, cfg.d_out, **kw), 1.0)))
-        self.b_dec = nn.Parameter(torch.zeros(cfg.d_out, **kw))
+        # G as nn.Linear; C with unit-norm rows (the a_n * c_n scale symmetry makes this free).
+        self._init_dictionary()
 
     def hidden(self, x: torch.Tensor) -> torch.Tensor:
         """z [..., d_hidden]: the dense hidden layer, phi(x E + b_E) or its GLU form."""

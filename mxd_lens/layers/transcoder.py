@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from mxd_lens.layers.base import LayerConfig, MLPReplacement, uniform_, unit_rows_
+from mxd_lens.layers.base import LayerConfig, MLPReplacement
 
 
 @dataclass
@@ -42,11 +42,7 @@ class Transcoder(MLPReplacement[TranscoderConfig]):
     b_dec: nn.Parameter
 
     def initialize_weights(self) -> None:
-        cfg, kw = self.cfg, {"dtype": self.dtype, "device": self.device}
-        self.W_enc = nn.Parameter(uniform_(torch.empty(cfg.d_in, cfg.d_sae, **kw), cfg.d_in**-0.5))
-        self.b_enc = nn.Parameter(torch.zeros(cfg.d_sae, **kw))
-        self.W_dec = nn.Parameter(unit_rows_(uniform_(torch.empty(cfg.d_sae, cfg.d_out, **kw), 1.0)))
-        self.b_dec = nn.Parameter(torch.zeros(cfg.d_out, **kw))
+        self._init_dictionary()
 
     def _output(self, mixture: torch.Tensor, context: None) -> torch.Tensor:
         return mixture + self.b_dec
@@ -62,13 +58,11 @@ class SkipTranscoder(MLPReplacement[SkipTranscoderConfig]):
     W_skip: nn.Parameter
 
     def initialize_weights(self) -> None:
-        cfg, kw = self.cfg, {"dtype": self.dtype, "device": self.device}
-        self.W_enc = nn.Parameter(uniform_(torch.empty(cfg.d_in, cfg.d_sae, **kw), cfg.d_in**-0.5))
-        self.b_enc = nn.Parameter(torch.zeros(cfg.d_sae, **kw))
         # Zero decoder and skip, as in the reference; unit-norm upkeep must skip zero rows (NaN otherwise).
-        self.W_dec = nn.Parameter(torch.zeros(cfg.d_sae, cfg.d_out, **kw))
-        self.b_dec = nn.Parameter(torch.zeros(cfg.d_out, **kw))
-        self.W_skip = nn.Parameter(torch.zeros(cfg.d_in, cfg.d_out, **kw))
+        self._init_dictionary(zero_decoder=True)
+        self.W_skip = nn.Parameter(
+            torch.zeros(self.cfg.d_in, self.cfg.d_out, dtype=self.dtype, device=self.device)
+        )
 
     def _decode_context(self, x: torch.Tensor) -> torch.Tensor:
         return x
