@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
+from typing import Any
 
 
 def _check(args: argparse.Namespace) -> int:
@@ -63,8 +64,121 @@ def _check(args: argparse.Namespace) -> int:
     return 0 if all(abs(delta) < 1e-4 for _, name, _, _, delta in rows if name == "MxD.from_mlp") else 1
 
 
+def _stream_source(args: argparse.Namespace, model: Any) -> Any:
+    """The live activation stream: text -> train split -> token rows -> model."""
+    from mxd_lens import data
+    from mxd_lens.activations import ModelActivations
+
+    token_rows = data.TokenRows.for_model(model, args.context_size)
+
+    def rows() -> Any:
+        texts = data.split_texts(
+            data.iter_texts(args.text), "train", eval_fraction=args.eval_fraction, seed=args.split_seed
+        )
+        return token_rows.rows(texts)
+
+    return ModelActivations(
+        model,
+        args.layers,
+        rows,
+        context_size=args.context_size,
+        rows_per_block=args.rows_per_block,
+        forward_rows=args.forward_rows,
+        drop_first_position=token_rows.prepend_bos,
+    )
+
+
+def _cache(args: argparse.Namespace) -> int:
+    from mxd_lens.activations import write_cache
+    from mxd_lens.models import load_model
+
+    model = load_model(args.model)
+    path = write_cache(_stream_source(args, model), args.out, n_blocks=args.blocks, dtype=args.dtype)
+    print(f"activation cache at {path}")
+    return 0
+
+
+def _train(args: argparse.Namespace) -> int:
+    import os
+
+    import torch.distributed as dist
+
+    from mxd_lens.activations import CachedActivations
+    from mxd_lens.training import LearnerSpec, TrainConfig, Trainer
+
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if args.device.startswith("cuda") else "gloo")
+    model = None
+    if args.cache:
+        source = CachedActivations(args.cache, layers=args.layers)
+    else:
+        if not (args.model and args.text):
+            raise SystemExit(
+                "mxd-lens train: give --cache DIR, or --model and --text to stream from the model"
+            )
+        from mxd_lens.models import load_model
+
+        model = load_model(args.model)
+        source = _stream_source(args, model)
+    layers = args.layers or source.info.layers
+    specs = [
+        LearnerSpec(arch, layer, k, m, init=args.init if arch == "mxd" else "default")
+        for layer in layers
+        for arch in args.arch
+        for k in args.k
+        for m in args.m
+    ]
+    config = TrainConfig(
+        total_tokens=args.tokens,
+        batch_tokens=args.batch_tokens,
+        lr=args.lr,
+        warmup_steps=args.warmup,
+        objective=args.objective,
+        init_b_dec=args.init_b_dec,
+        seed=args.seed,
+        dead_window_tokens=args.dead_window,
+        log_every=args.log_every,
+        checkpoint_every=args.checkpoint_every,
+        wandb_project=args.wandb,
+    )
+    trainer = Trainer(
+        specs, source, config, args.out, model=model, progress=not args.no_progress, device=args.device
+    )
+    metrics = trainer.fit(resume=args.resume)
+    if trainer.rank == 0:
+        for name, values in metrics.items():
+            print(name, " ".join(f"{key}={value:.4g}" for key, value in values.items()))
+        print(f"weights in {trainer.out_dir / 'final'}")
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return 0
+
+
+def _add_stream_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", help="TransformerLens model name (needs the hub)")
+    parser.add_argument(
+        "--text",
+        help="text: a .txt/.jsonl file (also .xz/.gz), a folder of them, or a Hugging Face dataset name",
+    )
+    parser.add_argument(
+        "--context-size", type=int, default=128, help="tokens per row, BOS included (default 128)"
+    )
+    parser.add_argument(
+        "--rows-per-block", type=int, default=256, help="rows per shuffled block / cache shard (default 256)"
+    )
+    parser.add_argument("--forward-rows", type=int, default=16, help="rows per model forward (default 16)")
+    parser.add_argument(
+        "--eval-fraction", type=float, default=0.02, help="documents held out for evaluation (default 0.02)"
+    )
+    parser.add_argument(
+        "--split-seed", type=int, default=0, help="seed of the train/eval document split (default 0)"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="mxd-lens", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="mxd-lens", description="Sparse MLP replacements for TransformerLens models."
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     check = sub.add_parser(
         "check",
@@ -77,6 +191,94 @@ def main(argv: list[str] | None = None) -> int:
     )
     check.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     check.set_defaults(func=_check)
+
+    cache = sub.add_parser(
+        "cache",
+        help="write an activation cache (MLP input/output pairs) for later training runs",
+        description="Run the model over the training split of --text and store (MLP input, MLP output) for --layers, "
+        "one safetensors shard per block. Re-running continues an interrupted cache.",
+    )
+    _add_stream_options(cache)
+    cache.add_argument(
+        "--layers", type=int, nargs="+", required=True, help="block indices whose MLP to cache"
+    )
+    cache.add_argument(
+        "--blocks",
+        type=int,
+        required=True,
+        help="blocks to write (tokens = blocks x rows-per-block x context)",
+    )
+    cache.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16", "float16"],
+        help="storage dtype (default float32)",
+    )
+    cache.add_argument("--out", required=True, help="cache folder")
+    cache.set_defaults(func=_cache)
+
+    train = sub.add_parser(
+        "train",
+        help="train MxD / transcoders / skip transcoders from one activation stream",
+        description="Train every combination of --arch x --k x --m x --layers from one stream (a cache, or the model live). "
+        "Checkpoints go to OUT/checkpoints, final SAELens-format weights to OUT/final/NAME. Runs under torchrun too.",
+    )
+    _add_stream_options(train)
+    train.add_argument("--cache", help="activation cache folder from `mxd-lens cache` (no model needed)")
+    train.add_argument("--layers", type=int, nargs="+", help="layers to train (default: all the cache holds)")
+    train.add_argument(
+        "--arch",
+        nargs="+",
+        default=["mxd", "transcoder"],
+        choices=["mxd", "transcoder", "skip_transcoder"],
+        help="architectures (default: mxd transcoder)",
+    )
+    train.add_argument(
+        "--k", type=int, nargs="+", default=[32], help="active units per token, one or more (default 32)"
+    )
+    train.add_argument(
+        "--m",
+        type=int,
+        nargs="+",
+        default=[8],
+        help="transcoder width multiplier(s); MxD gets the matching experts (default 8)",
+    )
+    train.add_argument(
+        "--init",
+        default="default",
+        choices=["default", "mlp"],
+        help="'mlp': MxD's E and D start as the host MLP's",
+    )
+    train.add_argument(
+        "--init-b-dec",
+        default="zero",
+        choices=["zero", "target_mean"],
+        help="output bias init (default zero)",
+    )
+    train.add_argument("--tokens", type=int, required=True, help="training tokens")
+    train.add_argument(
+        "--batch-tokens", type=int, default=4096, help="tokens per step, across all ranks (default 4096)"
+    )
+    train.add_argument("--lr", type=float, default=4e-4, help="Adam learning rate (default 4e-4)")
+    train.add_argument("--warmup", type=int, default=5000, help="linear warmup steps (default 5000)")
+    train.add_argument(
+        "--objective", default="nmse", choices=["nmse", "paper"], help="training loss (default nmse)"
+    )
+    train.add_argument("--seed", type=int, default=0, help="seed of initialisation and shuffling (default 0)")
+    train.add_argument(
+        "--dead-window", type=int, default=1_000_000, help="tokens without firing that make a unit dead"
+    )
+    train.add_argument("--log-every", type=int, default=25, help="steps between metric logs (default 25)")
+    train.add_argument(
+        "--checkpoint-every", type=int, default=500, help="steps between checkpoints, 0 = none (default 500)"
+    )
+    train.add_argument("--resume", action="store_true", help="continue from OUT/checkpoints/latest")
+    train.add_argument("--device", default="cpu", help="device for the learners (default cpu)")
+    train.add_argument("--wandb", metavar="PROJECT", help="log to this Weights & Biases project")
+    train.add_argument("--no-progress", action="store_true", help="no progress bar")
+    train.add_argument("--out", required=True, help="output folder")
+    train.set_defaults(func=_train)
+
     args = parser.parse_args(argv)
     return args.func(args)
 

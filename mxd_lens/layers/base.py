@@ -223,12 +223,18 @@ class MLPReplacement(SAE[C]):
         return self.hook_sae_output(self._forward_fast(x))
 
     def _forward_fast(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward_sparse(x)[0]
+
+    def forward_sparse(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(output [..., d_out], code values [..., K], code indices [..., K]) in one sparse pass:
+        what a trainer needs (the output and which units fired), without the code hook points."""
         x = self.process_sae_in(x)
         lead, x2 = x.shape[:-1], x.reshape(-1, self.cfg.d_in)
         values, indices = ops.topk_encode(x2, self.W_enc, self.b_enc, self.cfg.k)
         mixture = ops.decode_rows(values, indices, self.W_dec)
         out = self._output(mixture, self._decode_context(x2))
-        return out.reshape(*lead, self.cfg.d_out)
+        k = self.cfg.k
+        return out.reshape(*lead, self.cfg.d_out), values.reshape(*lead, k), indices.reshape(*lead, k)
 
     def encode_sparse(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The codes as (values [..., K], indices [..., K]), values sorted descending."""

@@ -124,21 +124,36 @@ class MxD(MLPReplacement[MxDConfig]):
             metadata=hooks.layer_metadata(model, layer),
         )
         mxd = cls(cfg)
+        mxd.copy_hidden_from_mlp(model, layer)
         with torch.no_grad():
-            mxd.W_in.copy_(mlp.W_in)
-            mxd.W_out.copy_(mlp.W_out)
             mxd.W_enc.zero_()
             mxd.b_enc.zero_()
             mxd.b_enc[0] = 1.0
             mxd.W_dec.fill_(1.0)
-            if gated:
-                # TransformerLens's gated MLP adds b_in after the product: (act(x Wg) * (x Wi) + b_in) W_out.
-                # Our b_E sits inside the product, so keep it 0 and fold b_in W_out into b.
-                mxd.W_in_gate.copy_(mlp.W_gate)
-                mxd.b_in.zero_()
-                mxd.b_in_gate.zero_()
-                mxd.b_dec.copy_(mlp.b_out + mlp.b_in @ mlp.W_out)
-            else:
-                mxd.b_in.copy_(mlp.b_in)
-                mxd.b_dec.copy_(mlp.b_out)
+            mlp = hooks.dense_mlp(model, layer)
+            # TransformerLens's gated MLP adds b_in after the product: (act(x Wg) * (x Wi) + b_in) W_out.
+            # Our b_E sits inside the product, so it stays 0 and b_in W_out is folded into b.
+            mxd.b_dec.copy_(mlp.b_out + mlp.b_in @ mlp.W_out if gated else mlp.b_out)
         return mxd
+
+    @torch.no_grad()
+    def copy_hidden_from_mlp(self, model: HookedTransformer, layer: int) -> MxD:
+        """Set E, b_E (and the GLU gate) and D to block ``layer``'s MLP weights: the warm start."""
+        from mxd_lens import hooks
+
+        mlp = hooks.dense_mlp(model, layer)
+        gated = bool(model.cfg.gated_mlp)
+        if (self.cfg.hidden_form == "glu") != gated or tuple(mlp.W_in.shape) != tuple(self.W_in.shape):
+            raise ValueError(
+                f"this MxD ({self.cfg.hidden_form}, W_in {tuple(self.W_in.shape)}) does not match block {layer}'s "
+                f"MLP ({'gated' if gated else 'plain'}, W_in {tuple(mlp.W_in.shape)})"
+            )
+        self.W_in.copy_(mlp.W_in)
+        self.W_out.copy_(mlp.W_out)
+        if gated:
+            self.W_in_gate.copy_(mlp.W_gate)
+            self.b_in.zero_()
+            self.b_in_gate.zero_()
+        else:
+            self.b_in.copy_(mlp.b_in)
+        return self

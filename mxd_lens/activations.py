@@ -1,0 +1,273 @@
+"""(MLP input, MLP output) pairs for several layers from one model forward, an on-disk cache of them,
+and the shuffled batches a trainer consumes.
+
+The stream is cut into **blocks**: a fixed number of token rows whose activations are computed
+together (one model forward per ``forward_rows`` rows, stopping after the last layer needed). A
+block is shuffled by a permutation seeded by (seed, block index) and emitted as batches; then the next
+block replaces it whole. So the position in the stream is just (block, batch): a resumed run recomputes
+(or re-reads) one block and continues bit for bit, with no buffer to checkpoint. An on-disk cache
+stores one safetensors shard per block, so cached and live streams are the same stream.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tqdm.auto import tqdm
+
+from mxd_lens import hooks
+
+MANIFEST = "manifest.json"
+CACHE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class StreamInfo:
+    """What a stream holds; a cache records it and a run checks it against what it asks for."""
+
+    model_name: str
+    layers: list[int]
+    d_in: int
+    d_out: int
+    rows_per_block: int
+    context_size: int
+    drop_first_position: bool
+    d_hidden: int = 0
+    activation: str = "relu"
+    gated: bool = False
+    hook_names: dict[str, list[str]] = field(default_factory=dict)
+
+    @property
+    def tokens_per_block(self) -> int:
+        return self.rows_per_block * (self.context_size - int(self.drop_first_position))
+
+
+Block = dict[int, tuple[torch.Tensor, torch.Tensor]]  # layer -> (x [n, d_in], y [n, d_out])
+
+
+class ModelActivations:
+    """Blocks of (MLP input, hook_mlp_out) for ``layers``, computed by running ``model`` on token rows.
+
+    ``rows`` is a zero-argument callable returning a fresh, deterministic iterator of [context_size]
+    token rows (so a resumed run can start again and skip). ``drop_first_position`` drops position 0
+    of every row (the BOS token, whose MLP output is an outlier that a replacement need not learn).
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        layers: Sequence[int],
+        rows: Callable[[], Iterator[torch.Tensor]],
+        context_size: int,
+        rows_per_block: int = 256,
+        forward_rows: int = 16,
+        drop_first_position: bool = True,
+    ):
+        if not layers:
+            raise ValueError("ModelActivations needs at least one layer")
+        for layer in layers:
+            hooks.check_layer(model, layer)
+        if not 2 <= context_size <= model.cfg.n_ctx:
+            raise ValueError(
+                f"context_size={context_size} must be in 2..{model.cfg.n_ctx} (the model's n_ctx)"
+            )
+        if rows_per_block <= 0 or forward_rows <= 0:
+            raise ValueError(
+                f"rows_per_block={rows_per_block} and forward_rows={forward_rows} must be positive"
+            )
+        self.model, self.layers, self.rows = model, sorted(set(layers)), rows
+        self.forward_rows = min(forward_rows, rows_per_block)
+        self.info = StreamInfo(
+            model_name=model.cfg.model_name,
+            layers=self.layers,
+            d_in=model.cfg.d_model,
+            d_out=model.cfg.d_model,
+            rows_per_block=rows_per_block,
+            context_size=context_size,
+            drop_first_position=drop_first_position,
+            d_hidden=model.cfg.d_mlp,
+            activation=model.cfg.act_fn,
+            gated=bool(model.cfg.gated_mlp),
+            hook_names={str(L): [hooks.mlp_in_hook(L), hooks.mlp_out_hook(L)] for L in self.layers},
+        )
+
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor) -> Block:
+        """Activations of a [rows, context] token batch, flattened to tokens."""
+        if tokens.shape[-1] != self.info.context_size:
+            raise ValueError(
+                f"token rows have length {tokens.shape[-1]}, expected context_size={self.info.context_size}"
+            )
+        with hooks.capture_mlp_io(self.model, self.layers) as io:
+            self.model(tokens.to(self.model.cfg.device), stop_at_layer=self.layers[-1] + 1)
+        start = int(self.info.drop_first_position)
+        out: Block = {}
+        for layer in self.layers:
+            x, y = (io[layer][key][:, start:].reshape(-1, io[layer][key].shape[-1]) for key in ("in", "out"))
+            out[layer] = (x.float().cpu(), y.float().cpu())
+        return out
+
+    def blocks(self, start: int = 0) -> Iterator[Block]:
+        """Blocks ``start``, ``start + 1``, ...; ends when the rows run out (a partial block is dropped)."""
+        rows = self.rows()
+        skip = start * self.info.rows_per_block
+        for _ in range(skip):
+            if next(rows, None) is None:
+                return
+        while True:
+            chunk = list(itertools.islice(rows, self.info.rows_per_block))
+            if len(chunk) < self.info.rows_per_block:
+                return
+            parts = [
+                self.forward(torch.stack(chunk[i : i + self.forward_rows]))
+                for i in range(0, len(chunk), self.forward_rows)
+            ]
+            yield {
+                L: (torch.cat([p[L][0] for p in parts]), torch.cat([p[L][1] for p in parts]))
+                for L in self.layers
+            }
+
+
+def _shard_name(index: int) -> str:
+    return f"block_{index:06d}.safetensors"
+
+
+def write_cache(
+    source: ModelActivations, path: str | Path, n_blocks: int, dtype: str = "float32", progress: bool = True
+) -> Path:
+    """Write ``n_blocks`` blocks of ``source`` to ``path``: ``manifest.json`` + one shard per block.
+
+    Each shard is written to a temporary name and renamed, so a killed run leaves only whole shards;
+    running again with the same arguments continues after the last one. Writing into a cache made
+    for another model, layers or block size is refused.
+    """
+    if dtype not in CACHE_DTYPES:
+        raise ValueError(f"cache dtype {dtype!r} not supported; choose one of {sorted(CACHE_DTYPES)}")
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    manifest = {"stream": asdict(source.info), "dtype": dtype, "format": "mxd_lens.activation_cache.v1"}
+    manifest_path = path / MANIFEST
+    if manifest_path.exists():
+        existing = json.loads(manifest_path.read_text())
+        if existing != manifest:
+            raise ValueError(
+                f"{path} already holds a cache made with different settings:\n  there: {existing}\n  asked: {manifest}\n"
+                "write to a new folder, or delete this one"
+            )
+    else:
+        _atomic_text(manifest_path, json.dumps(manifest, indent=2))
+    done = 0
+    while done < n_blocks and (path / _shard_name(done)).exists():
+        done += 1
+    if done == n_blocks:
+        return path
+    bar = tqdm(total=n_blocks, initial=done, desc="caching activations", unit="block", disable=not progress)
+    for index, block in zip(range(done, n_blocks), source.blocks(start=done), strict=False):
+        tensors = {}
+        for layer, (x, y) in block.items():
+            tensors[f"x.{layer}"] = x.to(CACHE_DTYPES[dtype]).contiguous()
+            tensors[f"y.{layer}"] = y.to(CACHE_DTYPES[dtype]).contiguous()
+        final = path / _shard_name(index)
+        tmp = final.with_suffix(".tmp")
+        try:
+            save_file(tensors, tmp)
+            os.replace(tmp, final)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        bar.update(1)
+    bar.close()
+    written = sum(1 for i in range(n_blocks) if (path / _shard_name(i)).exists())
+    if written < n_blocks:
+        raise ValueError(
+            f"the text ran out after {written} of {n_blocks} blocks; the cache at {path} holds {written}"
+        )
+    return path
+
+
+class CachedActivations:
+    """Blocks read back from a cache written by :func:`write_cache` (no model needed).
+
+    ``expect`` (e.g. ``{"model_name": ..., "d_in": ...}``) and ``layers`` are checked against the
+    manifest, with an error naming what differs.
+    """
+
+    def __init__(
+        self, path: str | Path, layers: Sequence[int] | None = None, expect: dict[str, Any] | None = None
+    ):
+        self.path = Path(path)
+        manifest_path = self.path / MANIFEST
+        if not manifest_path.is_file():
+            raise FileNotFoundError(
+                f"{self.path} is not an activation cache (no {MANIFEST}); write one with `mxd-lens cache`"
+            )
+        manifest = json.loads(manifest_path.read_text())
+        self.info = StreamInfo(**manifest["stream"])
+        self.dtype = manifest["dtype"]
+        cached = set(self.info.layers)
+        self.layers = sorted(set(layers)) if layers is not None else list(self.info.layers)
+        if not set(self.layers) <= cached:
+            raise ValueError(
+                f"{self.path} caches layers {sorted(cached)}, not {sorted(set(self.layers) - cached)}"
+            )
+        for key, value in (expect or {}).items():
+            if getattr(self.info, key) != value:
+                raise ValueError(
+                    f"{self.path} was cached with {key}={getattr(self.info, key)!r}, but this run asks for {value!r}"
+                )
+        self.n_blocks = 0
+        while (self.path / _shard_name(self.n_blocks)).exists():
+            self.n_blocks += 1
+        if self.n_blocks == 0:
+            raise ValueError(f"{self.path} holds no complete block yet")
+
+    def blocks(self, start: int = 0) -> Iterator[Block]:
+        for index in range(start, self.n_blocks):
+            with safe_open(self.path / _shard_name(index), framework="pt") as shard:
+                yield {
+                    L: (shard.get_tensor(f"x.{L}").float(), shard.get_tensor(f"y.{L}").float())
+                    for L in self.layers
+                }
+
+
+def shuffled_batches(
+    source: ModelActivations | CachedActivations,
+    batch_tokens: int,
+    seed: int,
+    start: tuple[int, int] = (0, 0),
+) -> Iterator[tuple[tuple[int, int], Block]]:
+    """((block, batch), {layer: (x, y)}) for every full batch, from position ``start`` on.
+
+    Inputs and targets are permuted together; the permutation depends only on (seed, block), and the
+    tokens of a block that do not fill a last batch are dropped.
+    """
+    tokens = source.info.tokens_per_block
+    if not 0 < batch_tokens <= tokens:
+        raise ValueError(
+            f"batch_tokens={batch_tokens} must be in 1..{tokens} (the tokens in one block); raise rows_per_block"
+        )
+    first_block, first_batch = start
+    for block_index, block in enumerate(source.blocks(start=first_block), start=first_block):
+        for layer, (x, y) in block.items():
+            if not (torch.isfinite(x).all() and torch.isfinite(y).all()):
+                raise FloatingPointError(f"non-finite activations at layer {layer} in block {block_index}")
+        generator = torch.Generator().manual_seed(seed * 1_000_003 + block_index)
+        order = torch.randperm(tokens, generator=generator)
+        for batch_index in range(first_batch if block_index == first_block else 0, tokens // batch_tokens):
+            idx = order[batch_index * batch_tokens : (batch_index + 1) * batch_tokens]
+            yield (block_index, batch_index), {L: (x[idx], y[idx]) for L, (x, y) in block.items()}
+
+
+def _atomic_text(path: Path, text: str) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
