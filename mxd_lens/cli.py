@@ -126,7 +126,7 @@ def _train(args: argparse.Namespace) -> int:
         for layer in layers
         for arch in args.arch
         for k in args.k
-        for m in args.m
+        for m in args.width_multiplier
     ]
     config = TrainConfig(
         total_tokens=args.tokens,
@@ -237,11 +237,11 @@ def main(argv: list[str] | None = None) -> int:
         "--k", type=int, nargs="+", default=[32], help="active units per token, one or more (default 32)"
     )
     train.add_argument(
-        "--m",
+        "--width-multiplier",
         type=int,
         nargs="+",
         default=[8],
-        help="transcoder width multiplier(s); MxD gets the matching experts (default 8)",
+        help="transcoder width multiplier(s) m: width m x d_model; MxD gets the matching experts (default 8)",
     )
     train.add_argument(
         "--init",

@@ -239,7 +239,9 @@ class Trainer:
             if self.step % cfg.log_every == 0 or self.step == cfg.total_steps:
                 self._log(last, bar, wandb_run)
             bar.update(1)
-            if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0 and self.step < cfg.total_steps:
+            if cfg.checkpoint_every and (
+                self.step % cfg.checkpoint_every == 0 or self.step == cfg.total_steps
+            ):
                 self.save_checkpoint()
         bar.close()
         if self.step < cfg.total_steps:
@@ -249,6 +251,8 @@ class Trainer:
             )
         if wandb_run is not None:
             wandb_run.finish()
+        if not last:  # resumed a finished run: report its last logged metrics
+            last = {name: _metrics_only(lr.history[-1]) for name, lr in self.learners.items() if lr.history}
         self.save_final(last)
         return last
 
@@ -445,6 +449,10 @@ class Trainer:
             json.dumps({name: learner.history for name, learner in self.learners.items()}, indent=1)
         )
         return paths
+
+
+def _metrics_only(record: dict[str, float]) -> dict[str, float]:
+    return {key: value for key, value in record.items() if key not in ("step", "tokens")}
 
 
 @torch.no_grad()

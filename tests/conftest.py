@@ -97,3 +97,25 @@ def tokens() -> torch.Tensor:
 def any_model(request):
     kind, folded = request.param
     return make_model(kind, fold_ln=folded)
+
+
+def make_tokenizer(texts):
+    """A word-level tokenizer over the words of ``texts`` (+ <bos>, <eos>, <unk>), built offline.
+
+    Whitespace pre-tokenizer, so ids can be checked by hand: <bos>=0, <eos>=1, <unk>=2, then words in
+    order of first appearance. To attach it to a HookedTransformer, save_pretrained it and load it back
+    with AutoTokenizer.from_pretrained(folder): TransformerLens reloads the tokenizer by name_or_path,
+    which a tokenizer built from an object does not have.
+    """
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<bos>": 0, "<eos>": 1, "<unk>": 2}
+    for text in texts:
+        for word in pre_tokenizers.Whitespace().pre_tokenize_str(text):
+            vocab.setdefault(word[0], len(vocab))
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token="<bos>", eos_token="<eos>", unk_token="<unk>"
+    )

@@ -1,0 +1,309 @@
+"""Text in, packed token rows out: what a trainer feeds the model to collect MLP inputs and outputs.
+
+Three steps, each an iterator so nothing is loaded whole and a dataset can be streamed:
+
+* ``iter_texts(source)`` yields documents from a local file or folder (``.txt`` blocks separated by
+  blank lines, ``.jsonl`` objects, either ``.xz`` / ``.gz`` compressed) or a Hugging Face dataset;
+* ``split_texts(texts, "train" | "eval")`` keeps one side of a split decided by a hash of each
+  document, so train and eval never share a document whatever the order or the streaming;
+* ``TokenRows(tokenizer, context_size).rows(texts)`` tokenizes, joins documents with a separator
+  token and cuts the stream into rows of ``context_size`` tokens, each starting with BOS (the
+  SAELens / TransformerLens convention, so the activations match what the model sees in practice).
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+import lzma
+import os
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, TYPE_CHECKING, Any, Literal
+
+import torch
+
+if TYPE_CHECKING:
+    from transformer_lens import HookedTransformer
+
+SUFFIXES = (".txt", ".jsonl", ".txt.xz", ".jsonl.xz", ".txt.gz", ".jsonl.gz")
+
+
+def iter_texts(
+    source: str | os.PathLike,
+    *,
+    text_field: str = "text",
+    hf_split: str = "train",
+    hf_config: str | None = None,
+) -> Iterator[str]:
+    """Yield the documents of ``source`` in a deterministic order.
+
+    A local file (see ``SUFFIXES``), a local folder (every supported file below it, sorted by relative
+    path) or, when ``source`` is not an existing path, a Hugging Face dataset streamed with
+    ``datasets.load_dataset(source, hf_config, split=hf_split, streaming=True)``. ``text_field`` names
+    the document in a ``.jsonl`` object or a dataset row; empty documents are skipped. A wrong source
+    fails here, at the call, not at the first ``next``; a wrong ``.jsonl`` line fails when it is read.
+    """
+    path = Path(source)
+    if path.is_dir():
+        files = sorted(
+            (p for p in path.rglob("*") if p.is_file() and _suffix(p) is not None),
+            key=lambda p: p.relative_to(path).as_posix(),
+        )
+        if not files:
+            raise ValueError(f"folder {path} holds no file ending in one of {', '.join(SUFFIXES)}")
+        return (text for file in files for text in _iter_file(file, text_field))
+    if path.exists():
+        if _suffix(path) is None:
+            raise ValueError(
+                f"{path}: unsupported file type; use a file ending in one of {', '.join(SUFFIXES)}"
+            )
+        return _iter_file(path, text_field)
+    return _iter_hf(str(source), text_field, hf_split, hf_config)
+
+
+def _suffix(path: Path) -> str | None:
+    name = path.name.lower()
+    return next((s for s in SUFFIXES if name.endswith(s)), None)
+
+
+def _open(path: Path) -> IO[str]:
+    suffix = _suffix(path) or ""
+    if suffix.endswith(".xz"):
+        return lzma.open(path, "rt", encoding="utf-8")
+    if suffix.endswith(".gz"):
+        return gzip.open(path, "rt", encoding="utf-8")
+    return open(path, encoding="utf-8")
+
+
+def _iter_file(path: Path, text_field: str) -> Iterator[str]:
+    with _open(path) as f:
+        if ".jsonl" in (_suffix(path) or ""):
+            yield from _iter_jsonl(f, path, text_field)
+        else:
+            yield from _iter_blocks(f)
+
+
+def _iter_blocks(lines: Iterable[str]) -> Iterator[str]:
+    """Blocks of lines separated by one or more blank lines, stripped."""
+    block: list[str] = []
+    for line in lines:
+        if line.strip():
+            block.append(line)
+        elif block:
+            yield "".join(block).strip()
+            block = []
+    if block:
+        yield "".join(block).strip()
+
+
+def _iter_jsonl(lines: Iterable[str], path: Path, text_field: str) -> Iterator[str]:
+    n_objects = n_yielded = 0
+    first_keys: list[str] = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}, line {number}: not valid JSON ({e.msg}, column {e.colno})") from e
+        if not isinstance(obj, dict):
+            raise ValueError(f"{path}, line {number}: expected a JSON object, got {type(obj).__name__}")
+        if n_objects == 0:
+            first_keys = sorted(obj)
+        n_objects += 1
+        text = obj.get(text_field)
+        if text is None or text == "":
+            continue
+        if not isinstance(text, str):
+            raise ValueError(
+                f"{path}, line {number}: {text_field!r} is a {type(text).__name__}, not a string"
+            )
+        n_yielded += 1
+        yield text
+    # Skipping an odd object without the field is fine; a whole file without it is a wrong text_field.
+    if n_objects and not n_yielded:
+        raise ValueError(
+            f"{path}: none of its {n_objects} objects has a non-empty {text_field!r} field "
+            f"(the first has keys {first_keys}); pass text_field=<one of them>"
+        )
+
+
+def _iter_hf(name: str, text_field: str, split: str, config: str | None) -> Iterator[str]:
+    import datasets
+    from huggingface_hub import constants
+
+    try:
+        dataset = datasets.load_dataset(name, config, split=split, streaming=True)
+    except Exception as e:  # offline, unknown name, bad config/split: all the same answer to the user
+        offline = " (HF_HUB_OFFLINE is set, so only cached datasets load)" if constants.HF_HUB_OFFLINE else ""
+        raise ValueError(
+            f"source {name!r} is neither an existing local path nor a loadable Hugging Face dataset"
+            f"{offline}: {type(e).__name__}: {e}"
+        ) from e
+    columns = dataset.column_names
+    if columns is not None and text_field not in columns:
+        raise ValueError(f"dataset {name!r} has no column {text_field!r}; its columns are {columns}")
+    return _iter_rows(dataset, name, text_field)
+
+
+def _iter_rows(dataset: Iterable[dict[str, Any]], name: str, text_field: str) -> Iterator[str]:
+    for row in dataset:
+        if text_field not in row:
+            raise ValueError(f"dataset {name!r} has no column {text_field!r}; its columns are {list(row)}")
+        text = row[text_field]
+        if text:
+            yield text
+
+
+def split_texts(
+    texts: Iterable[str], split: Literal["train", "eval"], eval_fraction: float = 0.02, seed: int = 0
+) -> Iterator[str]:
+    """Keep the documents of one side of a train/eval split.
+
+    A document goes to eval when a stable hash of (``seed``, its text) falls below ``eval_fraction``:
+    the decision depends on nothing else, so the two sides never overlap (duplicates land on the same
+    side) in any order, streamed or not, across runs and machines. ``hash()`` would not do: it is
+    salted per process.
+    """
+    if split not in ("train", "eval"):
+        raise ValueError(f"split={split!r}: use 'train' or 'eval'")
+    if not 0.0 < eval_fraction < 1.0:
+        raise ValueError(f"eval_fraction={eval_fraction!r} must be strictly between 0 and 1, e.g. 0.02")
+    return _keep(texts, split == "eval", eval_fraction, f"{int(seed)}\0".encode())
+
+
+def _keep(texts: Iterable[str], want_eval: bool, eval_fraction: float, prefix: bytes) -> Iterator[str]:
+    for text in texts:
+        digest = hashlib.blake2b(prefix + text.encode("utf-8"), digest_size=8).digest()
+        if (int.from_bytes(digest, "big") / 2**64 < eval_fraction) == want_eval:
+            yield text
+
+
+def check_context_size(model: HookedTransformer, context_size: int) -> None:
+    """Raise a clear error unless rows of ``context_size`` tokens fit ``model``."""
+    n_ctx = model.cfg.n_ctx
+    if isinstance(context_size, bool) or not isinstance(context_size, int) or not 2 <= context_size <= n_ctx:
+        raise ValueError(
+            f"context_size={context_size!r} does not fit {model.cfg.model_name}, which takes 2..{n_ctx} "
+            f"tokens per row (n_ctx={n_ctx}); pass a context_size in that range"
+        )
+
+
+@dataclass
+class TokenRows:
+    """How to turn documents into rows of ``context_size`` tokens for the model.
+
+    Documents are tokenized without special tokens, joined with ``separator_token_id`` between them
+    and cut into rows; with ``prepend_bos`` every row is ``[bos] + context_size - 1`` stream tokens.
+    ``bos_token_id`` defaults to the tokenizer's BOS, else its EOS (GPT-2 style); ``separator_token_id``
+    defaults to its EOS. Both are resolved when the object is built, so to pack without a separator
+    set ``rows.separator_token_id = None`` afterwards.
+    """
+
+    tokenizer: Any
+    context_size: int
+    prepend_bos: bool = True
+    bos_token_id: int | None = None
+    separator_token_id: int | None = None
+    tokenize_batch: int = 64
+
+    def __post_init__(self) -> None:
+        if (
+            isinstance(self.context_size, bool)
+            or not isinstance(self.context_size, int)
+            or self.context_size < 2
+        ):
+            raise ValueError(f"context_size={self.context_size!r} must be an int >= 2")
+        if self.tokenize_batch < 1:
+            raise ValueError(f"tokenize_batch={self.tokenize_batch!r} must be >= 1")
+        if self.bos_token_id is None:
+            bos = self.tokenizer.bos_token_id
+            self.bos_token_id = bos if bos is not None else self.tokenizer.eos_token_id
+        if self.prepend_bos and self.bos_token_id is None:
+            raise ValueError(
+                f"prepend_bos=True but {type(self.tokenizer).__name__} has neither a BOS nor an EOS token: "
+                "pass bos_token_id=<id> or prepend_bos=False"
+            )
+        if self.separator_token_id is None:
+            self.separator_token_id = self.tokenizer.eos_token_id
+
+    @classmethod
+    def for_model(cls, model: HookedTransformer, context_size: int, **kw: Any) -> TokenRows:
+        """Rows for ``model``: its tokenizer, its ``default_prepend_bos``, a context that fits it."""
+        if getattr(model, "tokenizer", None) is None:
+            raise ValueError(
+                f"{model.cfg.model_name} has no tokenizer: call model.set_tokenizer(tokenizer) or build "
+                "TokenRows(tokenizer, context_size) directly"
+            )
+        check_context_size(model, context_size)
+        kw.setdefault("prepend_bos", model.cfg.default_prepend_bos)
+        return cls(model.tokenizer, context_size, **kw)
+
+    def rows(self, texts: Iterable[str]) -> Iterator[torch.Tensor]:
+        """Yield rows of shape ``[context_size]`` (torch.long); a trailing partial row is dropped.
+
+        Raises ValueError once ``texts`` is exhausted if it did not fill a single row.
+        """
+        head = [self.bos_token_id] if self.prepend_bos else []
+        body = self.context_size - len(head)
+        sep = [] if self.separator_token_id is None else [self.separator_token_id]
+        stream: list[int] = []
+        n_docs = n_tokens = n_rows = 0
+        for batch in _batched(texts, self.tokenize_batch):
+            for ids in self.tokenizer(batch, add_special_tokens=False)["input_ids"]:
+                n_docs += 1
+                if not ids:
+                    continue
+                if n_tokens:  # a document came before: separate them
+                    stream.extend(sep)
+                n_tokens += len(ids)
+                stream.extend(ids)
+                start = 0
+                while len(stream) - start >= body:
+                    yield torch.tensor(head + stream[start : start + body], dtype=torch.long)
+                    start += body
+                    n_rows += 1
+                del stream[:start]  # once per document, so a long document is cut in linear time
+        if not n_rows:
+            raise ValueError(
+                f"no usable text: {n_docs} documents gave {n_tokens} tokens, fewer than the {body} needed "
+                f"for one row of context_size={self.context_size}{' after its BOS' if head else ''}; "
+                "check the source, the split and text_field"
+            )
+
+    def batches(self, texts: Iterable[str], batch_size: int) -> Iterator[torch.Tensor]:
+        """Yield ``[batch_size, context_size]`` batches of rows; a trailing partial batch is dropped.
+
+        Raises ValueError if ``texts`` does not fill a single batch (a trainer would silently do nothing).
+        """
+        if batch_size < 1:
+            raise ValueError(f"batch_size={batch_size!r} must be >= 1")
+        pending: list[torch.Tensor] = []
+        n_batches = 0
+        for row in self.rows(texts):
+            pending.append(row)
+            if len(pending) == batch_size:
+                yield torch.stack(pending)
+                pending = []
+                n_batches += 1
+        if not n_batches:
+            raise ValueError(
+                f"no usable text for one batch: only {len(pending)} rows of context_size={self.context_size}, "
+                f"fewer than batch_size={batch_size}; use more text or a smaller batch_size"
+            )
+
+
+def _batched(texts: Iterable[str], n: int) -> Iterator[list[str]]:
+    batch: list[str] = []
+    for index, text in enumerate(texts):
+        if not isinstance(text, str):
+            raise TypeError(f"document {index} is a {type(text).__name__}, not a str")
+        batch.append(text)
+        if len(batch) == n:
+            yield batch
+            batch = []
+    if batch:
+        yield batch

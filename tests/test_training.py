@@ -1,0 +1,287 @@
+"""The trainer: it learns, is reproducible, resumes bit for bit (also after SIGKILL), splits exactly over
+DDP ranks, and stops cleanly on NaN or a full disk."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import make_model
+from sae_lens import SAE
+from safetensors.torch import load_file
+from test_activations import random_rows
+
+from mxd_lens.activations import CachedActivations, ModelActivations, write_cache
+from mxd_lens.training import CheckpointError, LearnerSpec, TrainConfig, Trainer, TrainingDiverged
+
+SPECS = [
+    LearnerSpec("mxd", 1, k=4, width_multiplier=8),
+    LearnerSpec("transcoder", 1, k=4, width_multiplier=8),
+    LearnerSpec("skip_transcoder", 1, k=4, width_multiplier=8),
+    LearnerSpec("mxd", 2, k=2, width_multiplier=8),
+]
+
+
+def source(kind="gpt2", layers=(1, 2), rows_per_block=16):
+    return ModelActivations(
+        make_model(kind), list(layers), random_rows(), context_size=12, rows_per_block=rows_per_block
+    )
+
+
+def config(**overrides):
+    base = dict(
+        total_tokens=64 * 30, batch_tokens=64, lr=3e-3, warmup_steps=5, checkpoint_every=10, log_every=5
+    )
+    return TrainConfig(**{**base, **overrides})
+
+
+def final_weights(out: Path) -> dict[str, dict[str, torch.Tensor]]:
+    return {
+        p.name: load_file(p / "sae_weights.safetensors")
+        for p in sorted((out / "final").iterdir())
+        if p.is_dir()
+    }
+
+
+def assert_identical(a, b):
+    assert a.keys() == b.keys()
+    for name in a:
+        for key in a[name]:
+            assert torch.equal(a[name][key], b[name][key]), (name, key)
+
+
+def test_learners_learn_and_keep_their_invariants(tmp_path):
+    trainer = Trainer(SPECS, source(), config(total_tokens=64 * 80), tmp_path, progress=False)
+    metrics = trainer.fit()
+    for name, learner in trainer.learners.items():
+        history = learner.history
+        assert history[-1]["fvu"] < 0.6 * history[0]["fvu"], name
+        assert history[-1]["l0"] <= learner.spec.k
+        assert 0 <= history[-1]["dead_fraction"] <= 1
+        assert metrics[name] == {k: v for k, v in history[-1].items() if k not in ("step", "tokens")}
+        norms = learner.layer.W_dec.norm(dim=-1)
+        if learner.spec.normalizes_decoder:
+            torch.testing.assert_close(norms, torch.ones_like(norms))
+        assert all(torch.isfinite(p).all() for p in learner.layer.parameters())
+    assert trainer.fit(resume=True) == metrics  # resuming a finished run changes nothing
+    # Final weights load through SAELens with the training record in their metadata.
+    loaded = SAE.load_from_disk(tmp_path / "final" / SPECS[0].name)
+    record = loaded.cfg.metadata.training
+    assert (
+        record["tokens"] == 64 * 80
+        and record["learner"]["arch"] == "mxd"
+        and record["metrics"]["fvu"] == metrics[SPECS[0].name]["fvu"]
+    )
+    assert loaded.cfg.metadata.hook_name_out == "blocks.1.hook_mlp_out"
+    assert json.loads((tmp_path / "final" / "metrics.json").read_text()).keys() == trainer.learners.keys()
+
+
+def test_same_seed_same_weights_other_seed_other_weights(tmp_path):
+    for name, seed in (("a", 0), ("b", 0), ("c", 1)):
+        Trainer(SPECS[:2], source(), config(seed=seed), tmp_path / name, progress=False).fit()
+    assert_identical(final_weights(tmp_path / "a"), final_weights(tmp_path / "b"))
+    a, c = final_weights(tmp_path / "a"), final_weights(tmp_path / "c")
+    assert not torch.equal(a[SPECS[0].name]["W_enc"], c[SPECS[0].name]["W_enc"])
+
+
+def test_cache_and_live_model_train_identically(tmp_path):
+    live = source("gated")
+    write_cache(live, tmp_path / "cache", n_blocks=5, progress=False)
+    cached = CachedActivations(tmp_path / "cache")
+    cfg = config(total_tokens=64 * 10, init_b_dec="target_mean", objective="paper")
+    Trainer(SPECS, live, cfg, tmp_path / "live", progress=False).fit()
+    Trainer(SPECS, cached, cfg, tmp_path / "cached", progress=False).fit()
+    assert_identical(final_weights(tmp_path / "live"), final_weights(tmp_path / "cached"))
+
+
+def test_resume_after_a_crash_is_bit_identical(tmp_path, monkeypatch):
+    Trainer(SPECS, source(), config(), tmp_path / "whole", progress=False).fit()
+
+    crashing = Trainer(SPECS, source(), config(), tmp_path / "broken", progress=False)
+    real_step = Trainer._train_step
+
+    def crash_at_17(self, *args):
+        if self.step == 17:
+            raise KeyboardInterrupt
+        return real_step(self, *args)
+
+    monkeypatch.setattr(Trainer, "_train_step", crash_at_17)
+    with pytest.raises(KeyboardInterrupt):
+        crashing.fit()
+    monkeypatch.setattr(Trainer, "_train_step", real_step)
+    assert (tmp_path / "broken" / "checkpoints" / "latest").read_text() == "step_000000010"
+    Trainer(SPECS, source(), config(), tmp_path / "broken", progress=False).fit(resume=True)
+    assert_identical(final_weights(tmp_path / "whole"), final_weights(tmp_path / "broken"))
+
+
+def test_resume_with_other_settings_is_refused(tmp_path):
+    trainer = Trainer(SPECS[:1], source(), config(total_tokens=64 * 10), tmp_path, progress=False)
+    trainer.fit()
+    with pytest.raises(ValueError, match="other settings.*'lr': \\(0.003, 0.001\\)"):
+        Trainer(SPECS[:1], source(), config(lr=1e-3), tmp_path, progress=False).fit(resume=True)
+    with pytest.raises(ValueError, match="trained other learners"):
+        Trainer(SPECS[1:2], source(), config(), tmp_path, progress=False).fit(resume=True)
+
+
+def test_nan_loss_stops_and_names_the_last_good_checkpoint(tmp_path, monkeypatch):
+    trainer = Trainer(SPECS[:1], source(), config(), tmp_path, progress=False)
+    real_step = Trainer._train_step
+
+    def poison_at_13(self, learner, x, y):
+        return real_step(self, learner, x, y * float("inf") if self.step == 13 else y)
+
+    monkeypatch.setattr(Trainer, "_train_step", poison_at_13)
+    with pytest.raises(
+        TrainingDiverged, match="loss is (nan|inf) at step 13; the last good checkpoint is .*step_000000010"
+    ):
+        trainer.fit()
+    assert (tmp_path / "checkpoints" / "latest").read_text() == "step_000000010"
+
+
+def test_full_disk_leaves_the_previous_checkpoint_latest(tmp_path, monkeypatch):
+    trainer = Trainer(SPECS[:2], source(), config(), tmp_path, progress=False)
+    calls = {"n": 0}
+    real_save = torch.save
+
+    def save_then_fill_disk(obj, path, *args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 3:  # the first learner's state in the second checkpoint
+            raise OSError(28, "No space left on device")
+        return real_save(obj, path, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", save_then_fill_disk)
+    with pytest.raises(
+        CheckpointError, match="step_000000020 .*No space left.*last good checkpoint is .*step_000000010"
+    ):
+        trainer.fit()
+    checkpoints = tmp_path / "checkpoints"
+    assert (checkpoints / "latest").read_text() == "step_000000010"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["latest", "step_000000010"]
+
+
+def test_bad_configs_are_refused():
+    with pytest.raises(ValueError, match="batch_tokens=100 <= total_tokens=10"):
+        TrainConfig(total_tokens=10, batch_tokens=100)
+    with pytest.raises(ValueError, match="arch 'sae' unknown"):
+        LearnerSpec("sae", 0, 4)
+    with pytest.raises(ValueError, match="init='mlp'"):
+        LearnerSpec("transcoder", 0, 4, init="mlp")
+    with pytest.raises(ValueError, match="holds layers \\[1, 2\\], not 0"):
+        Trainer([LearnerSpec("mxd", 0, 4)], source(), config(), "unused", progress=False)
+    with pytest.raises(ValueError, match="ran out after"):
+        Trainer(
+            SPECS[:1],
+            ModelActivations(
+                make_model(), [1], lambda: iter([torch.zeros(12, dtype=torch.long)] * 32), 12, 16
+            ),
+            config(),
+            "/tmp/unused-mxd",
+            progress=False,
+        ).fit()
+
+
+def test_mlp_init_starts_from_the_host_weights(tmp_path):
+    live = source("gated")
+    trainer = Trainer(
+        [LearnerSpec("mxd", 1, k=4, init="mlp")],
+        live,
+        config(total_tokens=64),
+        tmp_path,
+        model=live.model,
+        progress=False,
+    )
+    mxd, mlp = trainer.learners["L1.mxd.k4.m8.init-mlp"].layer, live.model.blocks[1].mlp
+    assert (
+        torch.equal(mxd.W_in, mlp.W_in)
+        and torch.equal(mxd.W_in_gate, mlp.W_gate)
+        and torch.equal(mxd.W_out, mlp.W_out)
+    )
+
+
+# -- subprocesses: SIGKILL and DDP ----------------------------------------------------------------
+
+
+def _cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "mxd_lens.cli", "train", "--no-progress", *args]
+
+
+@pytest.fixture
+def cache(tmp_path):
+    return write_cache(source(rows_per_block=64), tmp_path / "cache", n_blocks=30, progress=False)
+
+
+TRAIN_ARGS = [
+    "--arch",
+    "mxd",
+    "transcoder",
+    "--k",
+    "4",
+    "--width-multiplier",
+    "8",
+    "--batch-tokens",
+    "32",
+    "--lr",
+    "0.003",
+    "--warmup",
+    "5",
+]
+
+
+def test_sigkill_at_a_random_step_then_resume_is_bit_identical(tmp_path, cache):
+    tokens = 32 * 600
+    args = [*TRAIN_ARGS, "--cache", str(cache), "--tokens", str(tokens), "--checkpoint-every", "7"]
+    subprocess.run(_cli(*args, "--out", str(tmp_path / "whole")), check=True, capture_output=True)
+    victim = subprocess.Popen(
+        _cli(*args, "--out", str(tmp_path / "killed")), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    latest = tmp_path / "killed" / "checkpoints" / "latest"
+    deadline = time.time() + 60
+    while not latest.exists() and time.time() < deadline and victim.poll() is None:
+        time.sleep(0.01)
+    time.sleep(random.uniform(0.0, 0.3))
+    victim.send_signal(signal.SIGKILL)
+    victim.wait()
+    assert victim.returncode == -signal.SIGKILL and not (tmp_path / "killed" / "final").exists(), (
+        "finished before the kill"
+    )
+    subprocess.run(
+        _cli(*args, "--out", str(tmp_path / "killed"), "--resume"), check=True, capture_output=True
+    )
+    assert_identical(final_weights(tmp_path / "whole"), final_weights(tmp_path / "killed"))
+
+
+def test_two_ddp_ranks_equal_one_process_on_the_same_global_batch(tmp_path, cache):
+    args = [*TRAIN_ARGS, "--cache", str(cache), "--tokens", str(32 * 20), "--checkpoint-every", "0"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    subprocess.run(_cli(*args, "--out", str(tmp_path / "single")), check=True, capture_output=True, env=env)
+    ddp = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "mxd_lens.cli",
+        "train",
+        "--no-progress",
+    ]
+    result = subprocess.run(
+        [*ddp, *args, "--out", str(tmp_path / "ddp")], capture_output=True, text=True, env=env
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    single, ddp_weights = final_weights(tmp_path / "single"), final_weights(tmp_path / "ddp")
+    assert single.keys() == ddp_weights.keys()
+    for name in single:
+        for key in single[name]:
+            torch.testing.assert_close(
+                ddp_weights[name][key], single[name][key], rtol=1e-4, atol=1e-5, msg=f"{name}.{key}"
+            )
