@@ -195,7 +195,8 @@ class Trainer:
                 if model is None:
                     raise ValueError(f"{spec.name}: init='mlp' needs the model")
                 layer.copy_hidden_from_mlp(model, spec.layer)
-            optimizer = torch.optim.Adam(layer.parameters(), lr=config.lr_at(0), betas=config.betas)
+            # The fused Adam kernel is ~5x faster on CPU for tens of millions of parameters.
+            optimizer = torch.optim.Adam(layer.parameters(), lr=config.lr_at(0), betas=config.betas, fused=True)
             last_fired = torch.full((layer.cfg.d_sae,), -1, dtype=torch.long, device=self.device)
             self.learners[spec.name] = _Learner(spec, layer, optimizer, last_fired)
         self.step = 0
