@@ -175,7 +175,7 @@ def _add_stream_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="mxd-lens", description="Sparse MLP replacements for TransformerLens models."
     )
@@ -279,7 +279,11 @@ def main(argv: list[str] | None = None) -> int:
     train.add_argument("--out", required=True, help="output folder")
     train.set_defaults(func=_train)
 
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     return args.func(args)
 
 

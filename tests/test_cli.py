@@ -8,3 +8,66 @@ def test_check_runs_and_from_mlp_is_exact(capsys):
         line for line in out.splitlines() if "MxD.from_mlp" in line and line.startswith(("gpt2", "gated"))
     ]
     assert len(lines) == 2 and all(line.rstrip().endswith("+0.0000") for line in lines)
+
+
+import random  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from conftest import make_model, make_tokenizer  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
+
+WORDS = "the cat sat on a mat while dogs ran over green hills and birds sang songs of rain".split()
+
+
+@pytest.fixture
+def text_model(tmp_path, monkeypatch):
+    """A tiny model with a word-level tokenizer, served by `--model tiny`, and a local text file."""
+    rng = random.Random(0)
+    docs = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(5, 40))) for _ in range(400)]
+    (tmp_path / "corpus.txt").write_text("\n\n".join(docs))
+    from transformers import AutoTokenizer
+
+    make_tokenizer(docs).save_pretrained(tmp_path / "tok")
+    model = make_model("gated")
+    model.set_tokenizer(AutoTokenizer.from_pretrained(tmp_path / "tok"))
+    import mxd_lens.models
+
+    monkeypatch.setattr(mxd_lens.models, "load_model", lambda name, **kw: model)
+    return tmp_path / "corpus.txt"
+
+
+def test_cache_then_train_from_it_equals_training_live(tmp_path, text_model, capsys):
+    stream = ["--model", "tiny", "--text", str(text_model), "--context-size", "12", "--rows-per-block", "16"]
+    assert main(["cache", *stream, "--layers", "1", "--blocks", "4", "--out", str(tmp_path / "cache")]) == 0
+    learn = ["--arch", "mxd", "skip_transcoder", "--k", "2", "4", "--tokens", "320", "--batch-tokens", "32", "--no-progress"]
+    assert main(["train", "--cache", str(tmp_path / "cache"), *learn, "--out", str(tmp_path / "a")]) == 0
+    assert main(["train", *stream, "--layers", "1", *learn, "--out", str(tmp_path / "b")]) == 0
+    out = capsys.readouterr().out
+    names = sorted(p.name for p in (tmp_path / "a" / "final").iterdir() if p.is_dir())
+    assert names == ["L1.mxd.k2.m8", "L1.mxd.k4.m8", "L1.skip_transcoder.k2.m8", "L1.skip_transcoder.k4.m8"]
+    for name in names:
+        assert f"{name} loss=" in out
+        a = load_file(tmp_path / "a" / "final" / name / "sae_weights.safetensors")
+        b = load_file(tmp_path / "b" / "final" / name / "sae_weights.safetensors")
+        assert all(torch.equal(a[key], b[key]) for key in a)
+
+
+def test_train_without_a_source_is_refused(tmp_path):
+    with pytest.raises(SystemExit, match="give --cache DIR, or --model and --text"):
+        main(["train", "--tokens", "64", "--out", str(tmp_path)])
+    with pytest.raises(FileNotFoundError, match="not an activation cache"):
+        main(["train", "--cache", str(tmp_path / "none"), "--tokens", "64", "--out", str(tmp_path)])
+
+
+def test_help_explains_every_option():
+    import argparse
+
+    from mxd_lens.cli import build_parser
+
+    subparsers = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    assert set(subparsers.choices) >= {"check", "cache", "train"}
+    for name, sub in subparsers.choices.items():
+        assert sub.description, name
+        for action in sub._actions:
+            assert action.help and len(action.help) > 10, (name, action.dest)
