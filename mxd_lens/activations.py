@@ -142,7 +142,12 @@ def _shard_name(index: int) -> str:
 
 
 def write_cache(
-    source: ModelActivations, path: str | Path, n_blocks: int, dtype: str = "float32", progress: bool = True
+    source: ModelActivations,
+    path: str | Path,
+    n_blocks: int,
+    dtype: str = "float32",
+    progress: bool = True,
+    text_info: dict[str, Any] | None = None,
 ) -> Path:
     """Write ``n_blocks`` blocks of ``source`` to ``path``: ``manifest.json`` + one shard per block.
 
@@ -154,7 +159,12 @@ def write_cache(
         raise ValueError(f"cache dtype {dtype!r} not supported; choose one of {sorted(CACHE_DTYPES)}")
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    manifest = {"stream": asdict(source.info), "dtype": dtype, "format": "mxd_lens.activation_cache.v1"}
+    manifest = {
+        "stream": asdict(source.info),
+        "dtype": dtype,
+        "text": text_info,
+        "format": "mxd_lens.activation_cache.v1",
+    }
     manifest_path = path / MANIFEST
     if manifest_path.exists():
         existing = json.loads(manifest_path.read_text())
@@ -213,6 +223,7 @@ class CachedActivations:
         manifest = json.loads(manifest_path.read_text())
         self.info = StreamInfo(**manifest["stream"])
         self.dtype = manifest["dtype"]
+        self.text_info = manifest.get("text")  # where the cached text came from, for overlap checks
         cached = set(self.info.layers)
         self.layers = sorted(set(layers)) if layers is not None else list(self.info.layers)
         if not set(self.layers) <= cached:

@@ -93,7 +93,15 @@ def _cache(args: argparse.Namespace) -> int:
     from mxd_lens.models import load_model
 
     model = load_model(args.model)
-    path = write_cache(_stream_source(args, model), args.out, n_blocks=args.blocks, dtype=args.dtype)
+    text_info = {
+        "text": args.text,
+        "split": "train",
+        "eval_fraction": args.eval_fraction,
+        "split_seed": args.split_seed,
+    }
+    path = write_cache(
+        _stream_source(args, model), args.out, n_blocks=args.blocks, dtype=args.dtype, text_info=text_info
+    )
     print(f"activation cache at {path}")
     return 0
 

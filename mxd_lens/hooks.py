@@ -102,8 +102,16 @@ def layer_index(layer: MLPReplacement[Any]) -> int:
     return int(match.group(1))
 
 
-def _check_fits(model: HookedTransformer, layer: MLPReplacement[Any], index: int) -> None:
+def check_fits(model: HookedTransformer, layer: MLPReplacement[Any], index: int) -> None:
+    """Raise unless ``layer`` was made for block ``index`` of a model like ``model``: same widths, and
+    the same ``model_name`` when the layer records one."""
     check_layer(model, index)
+    trained_on = layer.cfg.metadata.model_name
+    if trained_on and trained_on != model.cfg.model_name:
+        raise ValueError(
+            f"{type(layer).__name__} was trained on {trained_on!r}, but this model is {model.cfg.model_name!r}; "
+            "set layer.cfg.metadata.model_name if they are the same model under another name"
+        )
     d_model = model.cfg.d_model
     if layer.cfg.d_in != d_model or layer.cfg.d_out != d_model:
         raise ValueError(
@@ -160,7 +168,7 @@ def splice(
         index = layer_index(layer)
         if index in placed:
             raise ValueError(f"two layers target block {index}'s MLP; splice at most one per block")
-        _check_fits(model, layer, index)
+        check_fits(model, layer, index)
         if not isinstance(model.hook_dict.get(mlp_out_hook(index)), _hook_point_type()):
             raise ValueError(
                 f"{mlp_out_hook(index)} is not a plain HookPoint (an SAE is attached there?): "

@@ -179,12 +179,16 @@ class Trainer:
         model: Any = None,
         progress: bool = True,
         device: str = "cpu",
+        data_info: dict[str, Any] | None = None,
     ):
         names = [spec.name for spec in specs]
         if not specs or len(set(names)) != len(names):
             raise ValueError(f"need one or more learners with distinct names, got {names}")
         self.source, self.config, self.out_dir = source, config, Path(out_dir)
         self.progress, self.device = progress, torch.device(device)
+        self.data_info = (
+            data_info  # e.g. {"text", "split", "eval_fraction", "split_seed"}: kept with the weights
+        )
         self.rank, self.world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
         if config.batch_tokens % self.world:
             raise ValueError(f"batch_tokens={config.batch_tokens} must divide over {self.world} ranks")
@@ -196,7 +200,9 @@ class Trainer:
                     raise ValueError(f"{spec.name}: init='mlp' needs the model")
                 layer.copy_hidden_from_mlp(model, spec.layer)
             # The fused Adam kernel is ~5x faster on CPU for tens of millions of parameters.
-            optimizer = torch.optim.Adam(layer.parameters(), lr=config.lr_at(0), betas=config.betas, fused=True)
+            optimizer = torch.optim.Adam(
+                layer.parameters(), lr=config.lr_at(0), betas=config.betas, fused=True
+            )
             last_fired = torch.full((layer.cfg.d_sae,), -1, dtype=torch.long, device=self.device)
             self.learners[spec.name] = _Learner(spec, layer, optimizer, last_fired)
         self.step = 0
@@ -442,6 +448,7 @@ class Trainer:
                 "learner": asdict(learner.spec),
                 "tokens": self.tokens_seen,
                 "steps": self.step,
+                "data": self.data_info,
                 "metrics": metrics.get(name, {}),
             }
             paths[name] = self.out_dir / "final" / name

@@ -1,0 +1,110 @@
+"""Evaluation numbers against direct computations with TransformerLens hooks."""
+
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import D_VOCAB, make_model, randomise
+
+import mxd_lens
+from mxd_lens import MxD, Transcoder
+from mxd_lens.evaluation import check_disjoint, evaluate
+
+
+def batches(n=3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, D_VOCAB, (2, 12), generator=g) for _ in range(n)]
+
+
+def mean_loss(model, data, fwd_hooks=()):
+    with torch.no_grad():
+        return sum(
+            float(model.run_with_hooks(t, return_type="loss", fwd_hooks=list(fwd_hooks))) for t in data
+        ) / len(data)
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "gated", "parallel"])
+def test_numbers_match_direct_computation(kind):
+    model = make_model(kind)
+    data = batches()
+    mxd = randomise(MxD.for_model(model, 1, d_sae=24, k=4))
+    tc = randomise(Transcoder.for_model(model, 2, d_sae=24, k=4), seed=1)
+    rows = {
+        r["name"]: r for r in evaluate(model, {"mxd": mxd, "tc": tc}, data, together=True, progress=False)
+    }
+
+    clean = mean_loss(model, data)
+    zero = mean_loss(model, data, [("blocks.1.hook_mlp_out", lambda out, hook: out * 0)])
+    with mxd_lens.capture_mlp_io(model, [1]) as io:
+        outs = [(model(t), io[1]["out"].clone())[1] for t in data]
+    # The model prepends BOS (TransformerLens's default), so position 0 is left out of the statistics.
+    assert model.cfg.default_prepend_bos
+    mean_out = torch.cat([o[:, 1:].reshape(-1, o.shape[-1]) for o in outs]).mean(0)
+    mean_abl = mean_loss(model, data, [("blocks.1.hook_mlp_out", lambda out, hook: mean_out.expand_as(out))])
+    with mxd_lens.splice(model, mxd):
+        spliced = mean_loss(model, data)
+        spliced_logp = [F.log_softmax(model(t)[:, :-1], -1) for t in data]
+    with mxd_lens.splice(model, mxd, tc):
+        both = mean_loss(model, data)
+    clean_logp = [F.log_softmax(model(t)[:, :-1], -1) for t in data]
+    kl = sum(float((c.exp() * (c - s)).sum().detach()) for c, s in zip(clean_logp, spliced_logp, strict=True)) / (
+        3 * 2 * 11
+    )
+
+    row = rows["mxd"]
+    assert row["ce_clean"] == pytest.approx(clean, rel=1e-5)
+    assert row["ce_zero_ablation"] == pytest.approx(zero, rel=1e-5)
+    assert row["ce_mean_ablation"] == pytest.approx(mean_abl, rel=1e-5)
+    assert row["ce_spliced"] == pytest.approx(spliced, rel=1e-5)
+    assert row["delta_ce"] == pytest.approx(spliced - clean, abs=1e-5)
+    assert row["kl"] == pytest.approx(kl, rel=1e-4)
+    assert row["ce_recovered_zero"] == pytest.approx((zero - spliced) / (zero - clean), rel=1e-4)
+    assert rows["together"]["ce_spliced"] == pytest.approx(both, rel=1e-5)
+    assert rows["tc"]["layer"] == 2 and rows["together"]["layer"] == "1,2"
+
+    # FVU and L0 from the captured MLP input and output of every token.
+    with mxd_lens.capture_mlp_io(model, [1]) as io:
+        pairs = [(model(t), io[1]["in"].clone(), io[1]["out"].clone())[1:] for t in data]
+    x = torch.cat([p[0][:, 1:].reshape(-1, 16) for p in pairs])
+    y = torch.cat([p[1][:, 1:].reshape(-1, 16) for p in pairs])
+    with torch.no_grad():
+        fvu = float((mxd(x) - y).pow(2).sum() / (y - y.mean(0)).pow(2).sum())
+        codes = mxd.encode(x)
+    assert row["fvu"] == pytest.approx(fvu, rel=1e-4)
+    assert row["explained_variance"] == pytest.approx(1 - fvu, rel=1e-4)
+    assert row["l0"] == pytest.approx(float((codes > 0).sum(-1).float().mean()), rel=1e-6)
+    assert row["dead_fraction"] == pytest.approx(float((codes.amax(0) == 0).float().mean()))
+    assert len(pd.DataFrame(rows.values())) == 3
+
+
+def test_the_mlp_itself_recovers_everything():
+    model = make_model("gated")
+    (row,) = evaluate(model, [MxD.from_mlp(model, 1)], batches(2), progress=False)
+    assert abs(row["delta_ce"]) < 1e-5 and abs(row["kl"]) < 1e-6 and row["fvu"] < 1e-10
+    assert row["ce_recovered_zero"] == pytest.approx(1.0, abs=1e-4) and row["l0"] == 1
+
+
+def test_layers_from_another_model_are_refused():
+    model = make_model("gpt2")
+    other = Transcoder.for_model(make_model("gated"), 1, d_sae=8, k=2)
+    with pytest.raises(ValueError, match="trained on 'tiny-gated', but this model is 'tiny-gpt2'"):
+        evaluate(model, [other], batches(1), progress=False)
+    with pytest.raises(ValueError, match="no token batches"):
+        evaluate(model, [Transcoder.for_model(model, 1, d_sae=8, k=2)], [], progress=False)
+
+
+def test_overlapping_evaluation_text_is_refused():
+    train = {"text": "corpus/", "split": "train", "eval_fraction": 0.02, "split_seed": 0}
+    check_disjoint(train, {**train, "split": "eval"})  # the held-out side of the same split
+    check_disjoint(train, {"text": "other.txt", "split": "train"})  # other text
+    for bad in (
+        {**train},
+        {**train, "split": "eval", "split_seed": 1},
+        {**train, "split": "eval", "eval_fraction": 0.1},
+    ):
+        with pytest.raises(ValueError, match="overlaps the training text"):
+            check_disjoint(train, bad)
+    with pytest.warns(UserWarning, match="cannot be ruled out"):
+        check_disjoint(None, {**train, "split": "eval"})
