@@ -40,12 +40,34 @@ def text_model(tmp_path, monkeypatch):
 def test_cache_then_train_from_it_equals_training_live(tmp_path, text_model, capsys):
     stream = ["--model", "tiny", "--text", str(text_model), "--context-size", "12", "--rows-per-block", "16"]
     assert main(["cache", *stream, "--layers", "1", "--blocks", "4", "--out", str(tmp_path / "cache")]) == 0
-    learn = ["--arch", "mxd", "skip_transcoder", "--k", "2", "4", "--tokens", "320", "--batch-tokens", "32", "--no-progress"]
+    learn = [
+        "--arch",
+        "mxd",
+        "skip_transcoder",
+        "--k",
+        "2",
+        "4",
+        "--tokens",
+        "320",
+        "--batch-tokens",
+        "32",
+        "--no-progress",
+    ]
     assert main(["train", "--cache", str(tmp_path / "cache"), *learn, "--out", str(tmp_path / "a")]) == 0
     assert main(["train", *stream, "--layers", "1", *learn, "--out", str(tmp_path / "b")]) == 0
     out = capsys.readouterr().out
     names = sorted(p.name for p in (tmp_path / "a" / "final").iterdir() if p.is_dir())
     assert names == ["L1.mxd.k2.m8", "L1.mxd.k4.m8", "L1.skip_transcoder.k2.m8", "L1.skip_transcoder.k4.m8"]
+    import json
+
+    for run in ("a", "b"):  # the training text is recorded, whether read live or through the cache
+        cfg = json.loads((tmp_path / run / "final" / names[0] / "cfg.json").read_text())
+        assert cfg["metadata"]["training"]["data"] == {
+            "text": str(text_model),
+            "split": "train",
+            "eval_fraction": 0.02,
+            "split_seed": 0,
+        }
     for name in names:
         assert f"{name} loss=" in out
         a = load_file(tmp_path / "a" / "final" / name / "sae_weights.safetensors")
