@@ -149,8 +149,24 @@ def _train(args: argparse.Namespace) -> int:
         checkpoint_every=args.checkpoint_every,
         wandb_project=args.wandb,
     )
+    if args.cache:
+        data_info = source.text_info
+    else:
+        data_info = {
+            "text": args.text,
+            "split": "train",
+            "eval_fraction": args.eval_fraction,
+            "split_seed": args.split_seed,
+        }
     trainer = Trainer(
-        specs, source, config, args.out, model=model, progress=not args.no_progress, device=args.device
+        specs,
+        source,
+        config,
+        args.out,
+        model=model,
+        progress=not args.no_progress,
+        device=args.device,
+        data_info=data_info,
     )
     metrics = trainer.fit(resume=args.resume)
     if trainer.rank == 0:
