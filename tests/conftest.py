@@ -119,3 +119,23 @@ def make_tokenizer(texts):
     return PreTrainedTokenizerFast(
         tokenizer_object=backend, bos_token="<bos>", eos_token="<eos>", unk_token="<unk>"
     )
+
+
+WORDS = "the cat sat on a mat while dogs ran over green hills and birds sang songs of rain".split()
+
+
+def make_text_model(folder, kind: str = "gated", n_docs: int = 400):
+    """A tiny model with a word-level tokenizer attached, and ``folder/corpus.txt`` of random sentences
+    over its vocabulary (documents separated by blank lines)."""
+    import random
+
+    from transformers import AutoTokenizer
+
+    rng = random.Random(0)
+    docs = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(5, 40))) for _ in range(n_docs)]
+    corpus = folder / "corpus.txt"
+    corpus.write_text("\n\n".join(docs))
+    make_tokenizer(docs).save_pretrained(folder / "tok")
+    model = make_model(kind)
+    model.set_tokenizer(AutoTokenizer.from_pretrained(folder / "tok"))
+    return model, corpus

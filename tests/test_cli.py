@@ -10,31 +10,20 @@ def test_check_runs_and_from_mlp_is_exact(capsys):
     assert len(lines) == 2 and all(line.rstrip().endswith("+0.0000") for line in lines)
 
 
-import random  # noqa: E402
-
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from conftest import make_model, make_tokenizer  # noqa: E402
+from conftest import make_text_model  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
-
-WORDS = "the cat sat on a mat while dogs ran over green hills and birds sang songs of rain".split()
 
 
 @pytest.fixture
 def text_model(tmp_path, monkeypatch):
     """A tiny model with a word-level tokenizer, served by `--model tiny`, and a local text file."""
-    rng = random.Random(0)
-    docs = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(5, 40))) for _ in range(400)]
-    (tmp_path / "corpus.txt").write_text("\n\n".join(docs))
-    from transformers import AutoTokenizer
-
-    make_tokenizer(docs).save_pretrained(tmp_path / "tok")
-    model = make_model("gated")
-    model.set_tokenizer(AutoTokenizer.from_pretrained(tmp_path / "tok"))
+    model, corpus = make_text_model(tmp_path)
     import mxd_lens.models
 
     monkeypatch.setattr(mxd_lens.models, "load_model", lambda name, **kw: model)
-    return tmp_path / "corpus.txt"
+    return corpus
 
 
 def test_cache_then_train_from_it_equals_training_live(tmp_path, text_model, capsys):
