@@ -307,3 +307,11 @@ def _batched(texts: Iterable[str], n: int) -> Iterator[list[str]]:
             batch = []
     if batch:
         yield batch
+
+
+def default_text() -> Path:
+    """The bundled English text (Jane Austen's six novels, public domain, one paragraph per document;
+    ~0.9M SmolLM2 tokens, from Debian's r-cran-janeaustenr), so a fresh install has real text offline."""
+    from importlib.resources import files
+
+    return Path(str(files("mxd_lens") / "resources" / "jane_austen_novels.txt.xz"))
