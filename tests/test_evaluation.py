@@ -49,9 +49,9 @@ def test_numbers_match_direct_computation(kind):
     with mxd_lens.splice(model, mxd, tc):
         both = mean_loss(model, data)
     clean_logp = [F.log_softmax(model(t)[:, :-1], -1) for t in data]
-    kl = sum(float((c.exp() * (c - s)).sum().detach()) for c, s in zip(clean_logp, spliced_logp, strict=True)) / (
-        3 * 2 * 11
-    )
+    kl = sum(
+        float((c.exp() * (c - s)).sum().detach()) for c, s in zip(clean_logp, spliced_logp, strict=True)
+    ) / (3 * 2 * 11)
 
     row = rows["mxd"]
     assert row["ce_clean"] == pytest.approx(clean, rel=1e-5)
