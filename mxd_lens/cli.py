@@ -64,6 +64,44 @@ def _check(args: argparse.Namespace) -> int:
     return 0 if all(abs(delta) < 1e-4 for _, name, _, _, delta in rows if name == "MxD.from_mlp") else 1
 
 
+def _demo(args: argparse.Namespace) -> int:
+    """The main job: on the default model and text, cache one mid layer's MLP activations, train a
+    parameter-matched MxD and TopK transcoder at the same K from that one stream, splice both into the
+    model on held-out text, print the comparison and save the plot and the weights."""
+    import pandas as pd
+
+    from mxd_lens.analysis.frontier import FrontierConfig, run_frontier
+    from mxd_lens.data import default_text
+    from mxd_lens.models import load_model
+
+    quick = args.quick
+    model = load_model(args.model)
+    config = FrontierConfig(
+        text=args.text or str(default_text()),
+        layers=[args.layer],
+        ks=[args.k],
+        width_multiplier=args.width_multiplier,
+        archs=["mxd", "transcoder"],
+        train_tokens=args.train_tokens or (8_192 if quick else 262_144),
+        eval_tokens=args.eval_tokens or (1_024 if quick else 12_800),
+        context_size=args.context_size,
+        batch_tokens=args.batch_tokens or (1024 if quick else 2048),
+        lr=1e-3,
+        rows_per_block=32 if quick else 128,
+    )
+    rows = run_frontier(model, config, args.out)
+    table = pd.DataFrame(rows)[["method", "layer", "k", "params", "ce_clean", "delta_ce", "kl", "fvu", "l0"]]
+    print(
+        f"\n{model.cfg.model_name}, layer {args.layer}: parameter-matched (m = {args.width_multiplier}), "
+        f"K = {args.k}, {rows[0]['train_tokens']:,} training tokens, {rows[0]['tokens']:,} held-out tokens\n"
+    )
+    print(table.to_markdown(index=False, floatfmt=".4f"))
+    print(
+        f"\nplot: {args.out}/frontier.png   table: {args.out}/frontier.csv   weights: {args.out}/runs/final/"
+    )
+    return 0
+
+
 def _stream_source(args: argparse.Namespace, model: Any) -> Any:
     """The live activation stream: text -> train split -> token rows -> model."""
     from mxd_lens import data
@@ -215,6 +253,33 @@ def build_parser() -> argparse.ArgumentParser:
     )
     check.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     check.set_defaults(func=_check)
+
+    demo = sub.add_parser(
+        "demo",
+        help="the main job: MxD vs TopK transcoder on the default model and text, end to end",
+        description=_demo.__doc__,
+    )
+    demo.add_argument("--quick", action="store_true", help="a smoke run of about a minute (few tokens)")
+    demo.add_argument(
+        "--model", default="smollm2-135m", help="model name or path (default: the offline SmolLM2-135M)"
+    )
+    demo.add_argument("--text", help="text source (default: the bundled English text)")
+    demo.add_argument("--layer", type=int, default=15, help="block whose MLP to replace (default 15)")
+    demo.add_argument("--k", type=int, default=32, help="active experts / latents per token (default 32)")
+    demo.add_argument(
+        "--width-multiplier",
+        type=int,
+        default=8,
+        help="transcoder width m x d_model; MxD matched (default 8)",
+    )
+    demo.add_argument(
+        "--train-tokens", type=int, help="training tokens (default 262,144; 8,192 with --quick)"
+    )
+    demo.add_argument("--eval-tokens", type=int, help="held-out tokens (default 12,800; 1,024 with --quick)")
+    demo.add_argument("--context-size", type=int, default=128, help="tokens per row (default 128)")
+    demo.add_argument("--batch-tokens", type=int, help="tokens per training step (default 2,048; 1,024 with --quick)")
+    demo.add_argument("--out", default="results/demo", help="output folder (default results/demo)")
+    demo.set_defaults(func=_demo)
 
     cache = sub.add_parser(
         "cache",

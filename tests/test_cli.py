@@ -82,3 +82,16 @@ def test_help_explains_every_option():
         assert sub.description, name
         for action in sub._actions:
             assert action.help and len(action.help) > 10, (name, action.dest)
+
+
+def test_demo_runs_end_to_end(tmp_path, text_model, capsys):
+    args = ["demo", "--quick", "--model", "tiny", "--text", str(text_model), "--layer", "1", "--k", "2"]
+    args += ["--context-size", "12", "--batch-tokens", "64", "--train-tokens", "640", "--eval-tokens", "120"]
+    assert main([*args, "--out", str(tmp_path / "demo")]) == 0
+    out = capsys.readouterr().out
+    assert "| MxD " in out and "| Transcoder " in out and "K = 2, 640 training tokens" in out
+    assert (tmp_path / "demo" / "frontier.png").exists()
+    assert sorted(p.name for p in (tmp_path / "demo" / "runs" / "final").iterdir() if p.is_dir()) == [
+        "L1.mxd.k2.m8",
+        "L1.transcoder.k2.m8",
+    ]
