@@ -217,7 +217,10 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _add_stream_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", help="TransformerLens model name (needs the hub)")
+    parser.add_argument(
+        "--model",
+        help="smollm2-135m (offline default), a .gguf file, a local Hugging Face folder, or a TransformerLens name (hub)",
+    )
     parser.add_argument(
         "--text",
         help="text: a .txt/.jsonl file (also .xz/.gz), a folder of them, or a Hugging Face dataset name",
@@ -277,7 +280,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--eval-tokens", type=int, help="held-out tokens (default 12,800; 1,024 with --quick)")
     demo.add_argument("--context-size", type=int, default=128, help="tokens per row (default 128)")
-    demo.add_argument("--batch-tokens", type=int, help="tokens per training step (default 2,048; 1,024 with --quick)")
+    demo.add_argument(
+        "--batch-tokens", type=int, help="tokens per training step (default 2,048; 1,024 with --quick)"
+    )
     demo.add_argument("--out", default="results/demo", help="output folder (default results/demo)")
     demo.set_defaults(func=_demo)
 

