@@ -85,6 +85,7 @@ class ModelActivations:
                 f"rows_per_block={rows_per_block} and forward_rows={forward_rows} must be positive"
             )
         self.model, self.layers, self.rows = model, sorted(set(layers)), rows
+        self.text_info: dict[str, Any] | None = None  # set by from_text: where the rows come from
         self.forward_rows = min(forward_rows, rows_per_block)
         self.info = StreamInfo(
             model_name=model.cfg.model_name,
@@ -99,6 +100,37 @@ class ModelActivations:
             gated=bool(model.cfg.gated_mlp),
             hook_names={str(L): [hooks.mlp_in_hook(L), hooks.mlp_out_hook(L)] for L in self.layers},
         )
+
+    @classmethod
+    def from_text(
+        cls,
+        model: Any,
+        layers: Sequence[int],
+        text: str,
+        context_size: int,
+        eval_fraction: float = 0.02,
+        split_seed: int = 0,
+        **kwargs: Any,
+    ) -> ModelActivations:
+        """The stream of the 'train' side of ``text``'s document split, tokenized as ``model`` expects
+        (BOS, and position 0 dropped when it is one). ``self.text_info`` records where it came from."""
+        from mxd_lens import data
+
+        token_rows = data.TokenRows.for_model(model, context_size)
+
+        def rows() -> Iterator[torch.Tensor]:
+            texts = data.split_texts(data.iter_texts(text), "train", eval_fraction, split_seed)
+            return token_rows.rows(texts)
+
+        kwargs.setdefault("drop_first_position", token_rows.prepend_bos)
+        stream = cls(model, layers, rows, context_size=context_size, **kwargs)
+        stream.text_info = {
+            "text": str(text),
+            "split": "train",
+            "eval_fraction": eval_fraction,
+            "split_seed": split_seed,
+        }
+        return stream
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor) -> Block:

@@ -104,25 +104,17 @@ def _demo(args: argparse.Namespace) -> int:
 
 def _stream_source(args: argparse.Namespace, model: Any) -> Any:
     """The live activation stream: text -> train split -> token rows -> model."""
-    from mxd_lens import data
     from mxd_lens.activations import ModelActivations
 
-    token_rows = data.TokenRows.for_model(model, args.context_size)
-
-    def rows() -> Any:
-        texts = data.split_texts(
-            data.iter_texts(args.text), "train", eval_fraction=args.eval_fraction, seed=args.split_seed
-        )
-        return token_rows.rows(texts)
-
-    return ModelActivations(
+    return ModelActivations.from_text(
         model,
         args.layers,
-        rows,
-        context_size=args.context_size,
+        args.text,
+        args.context_size,
+        eval_fraction=args.eval_fraction,
+        split_seed=args.split_seed,
         rows_per_block=args.rows_per_block,
         forward_rows=args.forward_rows,
-        drop_first_position=token_rows.prepend_bos,
     )
 
 
@@ -130,16 +122,8 @@ def _cache(args: argparse.Namespace) -> int:
     from mxd_lens.activations import write_cache
     from mxd_lens.models import load_model
 
-    model = load_model(args.model)
-    text_info = {
-        "text": args.text,
-        "split": "train",
-        "eval_fraction": args.eval_fraction,
-        "split_seed": args.split_seed,
-    }
-    path = write_cache(
-        _stream_source(args, model), args.out, n_blocks=args.blocks, dtype=args.dtype, text_info=text_info
-    )
+    stream = _stream_source(args, load_model(args.model))
+    path = write_cache(stream, args.out, n_blocks=args.blocks, dtype=args.dtype, text_info=stream.text_info)
     print(f"activation cache at {path}")
     return 0
 
@@ -187,15 +171,6 @@ def _train(args: argparse.Namespace) -> int:
         checkpoint_every=args.checkpoint_every,
         wandb_project=args.wandb,
     )
-    if args.cache:
-        data_info = source.text_info
-    else:
-        data_info = {
-            "text": args.text,
-            "split": "train",
-            "eval_fraction": args.eval_fraction,
-            "split_seed": args.split_seed,
-        }
     trainer = Trainer(
         specs,
         source,
@@ -204,7 +179,7 @@ def _train(args: argparse.Namespace) -> int:
         model=model,
         progress=not args.no_progress,
         device=args.device,
-        data_info=data_info,
+        data_info=source.text_info,
     )
     metrics = trainer.fit(resume=args.resume)
     if trainer.rank == 0:

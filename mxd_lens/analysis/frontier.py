@@ -85,28 +85,16 @@ def run_frontier(
     """Cache, train every (arch, K) at every layer from the one stream, evaluate, write results."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    text_info = {
-        "text": config.text,
-        "split": "train",
-        "eval_fraction": config.eval_fraction,
-        "split_seed": config.split_seed,
-    }
-    rows = data.TokenRows.for_model(model, config.context_size)
-
-    def train_rows():
-        texts = data.split_texts(
-            data.iter_texts(config.text), "train", config.eval_fraction, config.split_seed
-        )
-        return rows.rows(texts)
-
-    stream = ModelActivations(
+    stream = ModelActivations.from_text(
         model,
         config.layers,
-        train_rows,
-        context_size=config.context_size,
+        config.text,
+        config.context_size,
+        eval_fraction=config.eval_fraction,
+        split_seed=config.split_seed,
         rows_per_block=config.rows_per_block,
-        drop_first_position=rows.prepend_bos,
     )
+    text_info = stream.text_info
     n_blocks = math.ceil(config.train_tokens / stream.info.tokens_per_block) + 1
     write_cache(
         stream,
