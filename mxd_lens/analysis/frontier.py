@@ -95,7 +95,11 @@ def run_frontier(
         rows_per_block=config.rows_per_block,
     )
     text_info = stream.text_info
-    n_blocks = math.ceil(config.train_tokens / stream.info.tokens_per_block) + 1
+    # Each block yields tokens_per_block // batch_tokens whole batches (the rest of a block is dropped).
+    batches_per_block = stream.info.tokens_per_block // config.batch_tokens
+    if batches_per_block == 0:
+        raise ValueError(f"batch_tokens={config.batch_tokens} exceeds a block's {stream.info.tokens_per_block} tokens")
+    n_blocks = math.ceil(config.steps / batches_per_block)
     write_cache(
         stream,
         out / "cache",
