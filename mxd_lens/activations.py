@@ -14,6 +14,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -298,7 +299,17 @@ def shuffled_batches(
         raise ValueError(
             f"batch_tokens={batch_tokens} must be in 1..{tokens} (the tokens in one block); raise rows_per_block"
         )
+    wasted = (tokens % batch_tokens) / tokens
+    if wasted > 0.05:
+        warnings.warn(
+            f"each block of {tokens} tokens leaves {tokens % batch_tokens} ({wasted:.0%}) that fill no batch of "
+            f"{batch_tokens} and are dropped; choose rows_per_block so that rows x tokens-per-row is close to a "
+            "multiple of batch_tokens",
+            stacklevel=2,
+        )
     first_block, first_batch = start
+    if first_batch >= tokens // batch_tokens:  # resuming at a block's end: start with the next block
+        first_block, first_batch = first_block + 1, 0
     for block_index, block in enumerate(source.blocks(start=first_block), start=first_block):
         for layer, (x, y) in block.items():
             if not (torch.isfinite(x).all() and torch.isfinite(y).all()):

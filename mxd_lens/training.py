@@ -226,9 +226,8 @@ class Trainer:
         )
         stream = shuffled_batches(self.source, cfg.batch_tokens, cfg.seed, start=self.position)
         last: dict[str, dict[str, float]] = {}
-        for (block, batch_index), batch in stream:
-            if self.step >= cfg.total_steps:
-                break
+        # Never pull a batch past the last step: at a block boundary that would compute a whole block.
+        for (block, batch_index), batch in stream if self.step < cfg.total_steps else ():
             if self.step == 0:
                 self._first_batch(batch)
             lo, hi = (
@@ -250,6 +249,8 @@ class Trainer:
                 self.step % cfg.checkpoint_every == 0 or self.step == cfg.total_steps
             ):
                 self.save_checkpoint()
+            if self.step >= cfg.total_steps:
+                break
         bar.close()
         if self.step < cfg.total_steps:
             raise ValueError(

@@ -167,6 +167,30 @@ def test_full_disk_leaves_the_previous_checkpoint_latest(tmp_path, monkeypatch):
     assert sorted(p.name for p in checkpoints.iterdir()) == ["latest", "step_000000010"]
 
 
+def test_training_computes_only_the_blocks_it_uses(tmp_path):
+    stream = source()  # blocks of 176 tokens: two batches of 64 each
+    computed = []
+    real_blocks = stream.blocks
+
+    def counting_blocks(start=0):
+        for block in real_blocks(start):
+            computed.append(1)
+            yield block
+
+    stream.blocks = counting_blocks
+    trainer = Trainer(
+        SPECS[:1], stream, config(total_tokens=64 * 4, checkpoint_every=2), tmp_path, progress=False
+    )
+    trainer.fit()
+    assert trainer.step == 4 and trainer.tokens_seen == 64 * 4 and len(computed) == 2
+    resumed = Trainer(
+        SPECS[:1], stream, config(total_tokens=64 * 6, checkpoint_every=2), tmp_path, progress=False
+    )
+    computed.clear()
+    resumed.fit(resume=True)  # continues at the end of block 1: block 2 is the only one computed
+    assert resumed.step == 6 and len(computed) == 1
+
+
 def test_bad_configs_are_refused():
     with pytest.raises(ValueError, match="batch_tokens=100 <= total_tokens=10"):
         TrainConfig(total_tokens=10, batch_tokens=100)

@@ -98,7 +98,9 @@ def run_frontier(
     # Each block yields tokens_per_block // batch_tokens whole batches (the rest of a block is dropped).
     batches_per_block = stream.info.tokens_per_block // config.batch_tokens
     if batches_per_block == 0:
-        raise ValueError(f"batch_tokens={config.batch_tokens} exceeds a block's {stream.info.tokens_per_block} tokens")
+        raise ValueError(
+            f"batch_tokens={config.batch_tokens} exceeds a block's {stream.info.tokens_per_block} tokens"
+        )
     n_blocks = math.ceil(config.steps / batches_per_block)
     write_cache(
         stream,
