@@ -62,6 +62,9 @@ from mxd_lens import hooks
 from mxd_lens.activations import CachedActivations, ModelActivations, shuffled_batches, write_cache
 from mxd_lens.training import LearnerSpec, TrainConfig, Trainer, build_layer
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from layer_speed import _machine_busy_s, _own_cpu_s  # noqa: E402  (shared CPU accounting)
+
 DEFAULT_TOKENS = 6 * 7 * 4096  # six blocks of 256 rows x 127 tokens, 7 batches of 4,096 each
 
 
@@ -274,22 +277,6 @@ def run_saelens(
             loss.backward()
             optimizer.step()
     return time.perf_counter() - t0, store.n_dataset_processed
-
-
-def _machine_busy_s() -> float | None:
-    """CPU seconds all processes on the machine have used so far (Linux /proc/stat), or None."""
-    try:
-        with open("/proc/stat") as f:
-            fields = f.readline().split()[1:]
-        user, nice, system, _idle, _iowait, irq, softirq, steal = (int(v) for v in fields[:8])
-        return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError):
-        return None
-
-
-def _own_cpu_s() -> float:
-    t = os.times()
-    return t.user + t.system
 
 
 def run(argv: Sequence[str] | None = None) -> dict:
