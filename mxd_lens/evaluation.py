@@ -56,7 +56,7 @@ def evaluate(
     blocks = sorted(set(index.values()))
     start = blocks[0]
     skip = int(model.cfg.default_prepend_bos if skip_first_position is None else skip_first_position)
-    batches = list(batches) if not isinstance(batches, list) else batches
+    batches = list(batches)  # iterated twice: the mean pass, then the evaluation
     if not batches:
         raise ValueError("evaluate got no token batches")
 
@@ -75,6 +75,7 @@ def evaluate(
                 logits, cache = model.run_with_cache(tokens, names_filter=f"blocks.{start}.hook_resid_pre")
             resid = cache[f"blocks.{start}.hook_resid_pre"]
             clean_logp = F.log_softmax(logits[:, :-1].float(), dim=-1)
+            clean_p = clean_logp.exp()  # once per batch, shared by every variant's KL
             target = tokens[:, 1:].to(clean_logp.device)
             n_pred += target.numel()
             _add(sums, "ce_clean", _ce_sum(clean_logp, target))
@@ -85,7 +86,7 @@ def evaluate(
                 label = f"{kind}:{key}"
                 _add(sums, f"ce:{label}", _ce_sum(logp, target))
                 if kind in ("splice", "together"):
-                    _add(sums, f"kl:{label}", float((clean_logp.exp() * (clean_logp - logp)).sum()))
+                    _add(sums, f"kl:{label}", float((clean_p * (clean_logp - logp)).sum()))
             for name, layer in named.items():
                 x, y = (io[index[name]][k][:, skip:] for k in ("in", "out"))
                 out, values, idx = layer.forward_sparse(x)

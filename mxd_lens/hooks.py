@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from transformer_lens.hook_points import HookPoint
 
 if TYPE_CHECKING:
     from sae_lens.saes.sae import SAEMetadata
@@ -169,7 +170,7 @@ def splice(
         if index in placed:
             raise ValueError(f"two layers target block {index}'s MLP; splice at most one per block")
         check_fits(model, layer, index)
-        if not isinstance(model.hook_dict.get(mlp_out_hook(index)), _hook_point_type()):
+        if not isinstance(model.hook_dict.get(mlp_out_hook(index)), HookPoint):
             raise ValueError(
                 f"{mlp_out_hook(index)} is not a plain HookPoint (an SAE is attached there?): "
                 "call model.reset_saes() first"
@@ -202,9 +203,3 @@ def _replace_output(layer: MLPReplacement[Any], slot: dict[str, torch.Tensor], e
         return out
 
     return hook
-
-
-def _hook_point_type() -> type:
-    from transformer_lens.hook_points import HookPoint
-
-    return HookPoint
