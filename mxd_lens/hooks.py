@@ -12,6 +12,7 @@ Where a layer writes: ``blocks.L.hook_mlp_out``.
 from __future__ import annotations
 
 import re
+import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
@@ -27,6 +28,8 @@ if TYPE_CHECKING:
     from mxd_lens.layers.base import MLPReplacement
 
 _OUT_HOOK = re.compile(r"^blocks\.(\d+)\.hook_mlp_out$")
+# model -> {block: layer} for the splices active on it (what steering checks)
+_SPLICED: weakref.WeakKeyDictionary[Any, dict[int, Any]] = weakref.WeakKeyDictionary()
 
 
 def mlp_in_hook(layer: int) -> str:
@@ -167,7 +170,7 @@ def splice(
     placed: dict[int, MLPReplacement[Any]] = {}
     for layer in layers:
         index = layer_index(layer)
-        if index in placed:
+        if index in placed or index in _SPLICED.get(model, {}):
             raise ValueError(f"two layers target block {index}'s MLP; splice at most one per block")
         check_fits(model, layer, index)
         if not isinstance(model.hook_dict.get(mlp_out_hook(index)), HookPoint):
@@ -184,11 +187,20 @@ def splice(
             slot: dict[str, torch.Tensor] = {}
             handles.append(mlp_module(model, index).register_forward_pre_hook(_store_input(slot)))
             fwd_hooks.append((mlp_out_hook(index), _replace_output(layer, slot, error_term)))
+        active = _SPLICED.setdefault(model, {})
+        active.update(placed)
         with model.hooks(fwd_hooks=fwd_hooks):
             yield model
     finally:
         for handle in handles:
             handle.remove()
+        for index in placed:
+            _SPLICED.get(model, {}).pop(index, None)
+
+
+def spliced_layers(model: HookedTransformer) -> dict[int, MLPReplacement[Any]]:
+    """The layers spliced into ``model`` right now, by block (inside ``splice`` contexts)."""
+    return dict(_SPLICED.get(model, {}))
 
 
 def _replace_output(layer: MLPReplacement[Any], slot: dict[str, torch.Tensor], error_term: bool):

@@ -164,8 +164,10 @@ class MLPReplacement(SAE[C]):
         self._stash = _Stash(
             lead_shape=lead,
             context=self._decode_context(x2) if self.needs_decode_context else None,
-            codes=weakref.ref(out) if out is codes else None,
-            codes_version=out._version,
+            # inference tensors (TL's generate) have no version counter to detect in-place edits:
+            # decode them by their non-zeros instead of trusting the indices chosen here
+            codes=weakref.ref(out) if out is codes and not out.is_inference() else None,
+            codes_version=-1 if out.is_inference() else out._version,
             indices=indices.reshape(-1, self.cfg.k),
         )
         return out

@@ -1,0 +1,373 @@
+"""Sparse probing (SAEBench's protocol, with feature selection on training data only).
+
+1. ``pooled_activations``: run the clean model (no layer spliced) once over each text and mean-pool,
+   over the text's own tokens, each layer's codes (MxD: expert coefficients; transcoders: latents) and
+   the dense MLP input and output. Each text is ``[BOS] + its first context_size - 1 tokens``; the
+   mean runs over those text tokens: never the BOS, never padding, the last token included.
+2. ``probe_task``: for one binary task, rank features by the absolute difference of the class means
+   on the training split, fit a logistic regression on the top k (its L2 strength chosen on the
+   validation split) and report test accuracy. The dense ceiling is the same probe on every
+   dimension of the MLP input or output.
+3. ``run_probing``: every task of every set, every feature source and k, as one table.
+
+``PooledCache`` keeps pooled activations on disk per task set, keyed by the model, the texts and
+each layer's weights, so several layers and k values cost one model pass per text.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from mxd_lens import hooks
+from mxd_lens.analysis.tasks import Examples, TaskSet, binary_task, splits
+
+if TYPE_CHECKING:
+    import pandas as pd
+    from transformer_lens import HookedTransformer
+
+    from mxd_lens.layers.base import MLPReplacement
+
+DENSE = ("mlp_in", "mlp_out")
+DEFAULT_CS = (0.001, 0.01, 0.1, 1.0, 10.0, 100.0)
+
+
+def dense_key(kind: str, layer: int) -> str:
+    return f"{kind}.L{layer}"
+
+
+def tokenize_texts(model: HookedTransformer, texts: Sequence[str], context_size: int) -> list[list[int]]:
+    """Each text as ``[BOS] + its first context_size - 1 tokens`` (no BOS when the model does not
+    prepend one). Raises on a text with no tokens."""
+    tokenizer = getattr(model, "tokenizer", None)
+    if tokenizer is None:
+        raise ValueError(f"{model.cfg.model_name} has no tokenizer: call model.set_tokenizer(...) first")
+    if not 2 <= context_size <= model.cfg.n_ctx:
+        raise ValueError(f"context_size={context_size} must be in 2..n_ctx={model.cfg.n_ctx}")
+    bos = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
+    head = [bos] if model.cfg.default_prepend_bos and bos is not None else []
+    out = []
+    for start in range(0, len(texts), 256):
+        batch = list(texts[start : start + 256])
+        for offset, ids in enumerate(tokenizer(batch, add_special_tokens=False)["input_ids"]):
+            if not ids:
+                raise ValueError(
+                    f"text {start + offset} ({batch[offset][:40]!r}) tokenises to nothing: drop it"
+                )
+            out.append(head + ids[: context_size - len(head)])
+    return out
+
+
+@torch.no_grad()
+def pooled_activations(
+    model: HookedTransformer,
+    layers: Mapping[str, MLPReplacement],
+    texts: Sequence[str],
+    dense_layers: Sequence[int] = (),
+    context_size: int = 128,
+    batch_size: int = 16,
+    progress: bool = True,
+) -> dict[str, torch.Tensor]:
+    """Mean-pooled codes ``{name: [n_texts, d_sae]}`` of each layer in ``layers`` and, for each block in
+    ``dense_layers``, the dense MLP input and output (``mlp_in.L3``, ``mlp_out.L3``: [n_texts, d_model]).
+
+    One clean forward per text, up to the deepest block needed. Texts are sorted by length into
+    batches (right padding never reaches a real token under causal attention) and returned in the
+    given order."""
+    blocks: dict[str, int] = {}
+    for name, layer in layers.items():
+        index = hooks.layer_index(layer)
+        hooks.check_fits(model, layer, index)
+        blocks[name] = index
+    needed = sorted(set(blocks.values()) | set(dense_layers))
+    if not needed:
+        raise ValueError("nothing to pool: pass layers and/or dense_layers")
+    if not texts:
+        raise ValueError("no texts to pool")
+    ids = tokenize_texts(model, texts, context_size)
+    skip = 1 if model.cfg.default_prepend_bos else 0
+    if skip and any(len(t) < 2 for t in ids):
+        raise ValueError("a text tokenises to nothing after the BOS")
+    device = next(model.parameters()).device
+    out: dict[str, torch.Tensor] = {}
+    order = sorted(range(len(ids)), key=lambda i: (len(ids[i]), i))
+    bar = tqdm(total=len(ids), desc="pooling", unit="text", disable=not progress)
+    for start in range(0, len(order), batch_size):
+        chunk = order[start : start + batch_size]
+        width = max(len(ids[i]) for i in chunk)
+        tokens = torch.zeros(len(chunk), width, dtype=torch.long)
+        mask = torch.zeros(len(chunk), width)
+        for row, i in enumerate(chunk):
+            tokens[row, : len(ids[i])] = torch.tensor(ids[i])
+            mask[row, skip : len(ids[i])] = 1.0
+        tokens, mask = tokens.to(device), mask.to(device)
+        weights = (mask / mask.sum(1, keepdim=True)).unsqueeze(-1)
+        with hooks.capture_mlp_io(model, needed) as io:
+            model(tokens, stop_at_layer=needed[-1] + 1)
+        pooled = {}
+        for name, index in blocks.items():
+            codes = layers[name].encode(io[index]["in"])
+            pooled[name] = (codes * weights.to(codes.dtype)).sum(1)
+        for index in dense_layers:
+            for kind, key in zip(DENSE, ("in", "out"), strict=True):
+                pooled[dense_key(kind, index)] = (io[index][key] * weights).sum(1)
+        for name, value in pooled.items():
+            if name not in out:
+                out[name] = torch.empty(len(ids), value.shape[-1], dtype=torch.float32)
+            out[name][torch.tensor(chunk)] = value.float().cpu()
+        bar.update(len(chunk))
+    bar.close()
+    return out
+
+
+def layer_fingerprint(layer: MLPReplacement) -> str:
+    """A digest of a layer's weights: the cache key that notices retrained or edited layers."""
+    digest = hashlib.blake2b(digest_size=8)
+    for key, value in sorted(layer.state_dict().items()):
+        digest.update(key.encode())
+        digest.update(value.detach().float().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+class PooledCache:
+    """Pooled activations on disk: ``root/<task set>/<source>.safetensors``, each stamped with the
+    model, the context size, a digest of the texts and (for layers) of the weights; a stale or missing
+    entry is recomputed, the rest are read back."""
+
+    def __init__(self, root: str | Path):
+        self.root = Path(root)
+
+    def get(
+        self,
+        model: HookedTransformer,
+        examples: Examples,
+        layers: Mapping[str, MLPReplacement],
+        dense_layers: Sequence[int] = (),
+        context_size: int = 128,
+        batch_size: int = 16,
+        progress: bool = True,
+    ) -> dict[str, torch.Tensor]:
+        from safetensors.torch import load_file, save_file
+
+        folder = self.root / examples.task_set.name
+        texts_digest = hashlib.blake2b("\x00".join(examples.texts).encode(), digest_size=8).hexdigest()
+        stamp = {"model": model.cfg.model_name, "context_size": context_size, "texts": texts_digest}
+        wanted = {name: {**stamp, "weights": layer_fingerprint(layer)} for name, layer in layers.items()}
+        for index in dense_layers:
+            for kind in DENSE:
+                wanted[dense_key(kind, index)] = dict(stamp)
+        found: dict[str, torch.Tensor] = {}
+        for name, meta in wanted.items():
+            path = folder / f"{name}.safetensors"
+            if path.is_file() and (path.with_suffix(".json").is_file()):
+                if json.loads(path.with_suffix(".json").read_text()) == meta:
+                    found[name] = load_file(path)["pooled"]
+        missing_layers = {n: layer for n, layer in layers.items() if n not in found}
+        missing_dense = [i for i in dense_layers if any(dense_key(k, i) not in found for k in DENSE)]
+        if missing_layers or missing_dense:
+            fresh = pooled_activations(
+                model, missing_layers, examples.texts, missing_dense, context_size, batch_size, progress
+            )
+            folder.mkdir(parents=True, exist_ok=True)
+            for name, value in fresh.items():
+                path = folder / f"{name}.safetensors"
+                tmp = path.with_name(f".{path.name}.tmp")
+                save_file({"pooled": value.contiguous()}, tmp)
+                os.replace(tmp, path)
+                meta_tmp = path.with_name(f".{name}.json.tmp")
+                meta_tmp.write_text(json.dumps(wanted[name]))
+                os.replace(meta_tmp, path.with_suffix(".json"))
+                found[name] = value
+        return {name: found[name] for name in wanted}
+
+
+def rank_features(X: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Feature indices by decreasing |mean(X | y=1) − mean(X | y=0)| (ties: lower index first)."""
+    y = np.asarray(y).astype(bool)
+    if y.all() or not y.any():
+        raise ValueError("ranking needs both classes in the training split")
+    diff = np.abs(X[y].mean(0) - X[~y].mean(0))
+    return np.argsort(-diff, kind="stable")
+
+
+def fit_probe(
+    X_train: np.ndarray,
+    y_train: np.ndarray,
+    X_val: np.ndarray,
+    y_val: np.ndarray,
+    Cs: Sequence[float] = DEFAULT_CS,
+) -> tuple[Any, float]:
+    """Standardised logistic regression, its inverse L2 strength C chosen by validation accuracy
+    (ties: the smallest C, i.e. the strongest regularisation). Returns (fitted pipeline, C)."""
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.pipeline import make_pipeline
+    from sklearn.preprocessing import StandardScaler
+
+    best, best_acc, best_C = None, -1.0, Cs[0]
+    for C in sorted(Cs):
+        probe = make_pipeline(StandardScaler(), LogisticRegression(C=C, max_iter=2000))
+        probe.fit(X_train, y_train)
+        acc = float((probe.predict(X_val) == y_val).mean())
+        if acc > best_acc:
+            best, best_acc, best_C = probe, acc, C
+    return best, best_C
+
+
+def probe_task(
+    X: np.ndarray,
+    y: np.ndarray,
+    parts: Mapping[str, Sequence[int]],
+    k: int | None,
+    Cs: Sequence[float] = DEFAULT_CS,
+) -> dict[str, Any]:
+    """Train-only feature selection then a probe; ``parts`` maps train/val/test to row indices of X.
+    ``k=None`` uses every feature (the dense ceiling)."""
+    n_features = X.shape[1]
+    if k is not None and not 1 <= k <= n_features:
+        raise ValueError(f"k={k} must be between 1 and the number of features ({n_features})")
+    tr, va, te = (np.asarray(parts[s]) for s in ("train", "val", "test"))
+    if k is None:
+        features = np.arange(n_features)
+    else:
+        features = rank_features(X[tr], y[tr])[:k]
+    probe, C = fit_probe(X[tr][:, features], y[tr], X[va][:, features], y[va], Cs)
+    acc = lambda rows: float((probe.predict(X[rows][:, features]) == y[rows]).mean())  # noqa: E731
+    return {
+        "test_accuracy": acc(te),
+        "val_accuracy": acc(va),
+        "train_accuracy": acc(tr),
+        "C": C,
+        "features": features.tolist() if k is not None else None,
+        "n_train": len(tr),
+        "n_test": len(te),
+        "probe": probe,
+    }
+
+
+def task_splits(
+    examples: Examples, fractions: tuple[float, float, float] = (0.6, 0.2, 0.2), seed: int = 0
+) -> dict[str, tuple[dict[str, list[int]], np.ndarray]]:
+    """Per task of the set: (balanced train/val/test row indices into the set's examples, 0/1 targets
+    aligned with the rows). One stratified split of the set is shared by its tasks."""
+    base = splits(examples.labels, fractions, seed)
+    ts = examples.task_set
+    out = {}
+    for task, positive in zip(ts.tasks, ts.classes, strict=False):
+        y = np.array([int(label == positive) for label in examples.labels])
+        parts = {name: binary_task(examples.labels, positive, idx, seed)[0] for name, idx in base.items()}
+        out[task] = (parts, y)
+    return out
+
+
+def run_probing(
+    model: HookedTransformer,
+    task_sets: Iterable[TaskSet],
+    layers: Mapping[str, MLPReplacement],
+    ks: Sequence[int] = (1, 2, 5),
+    dense_layers: Sequence[int] | None = None,
+    data_root: str | Path | None = None,
+    cache: str | Path | None = None,
+    context_size: int = 128,
+    batch_size: int = 16,
+    seed: int = 0,
+    progress: bool = True,
+) -> tuple[pd.DataFrame, dict[str, Any]]:
+    """Every task of every set, for each layer's codes at each k and the dense MLP input/output of
+    each layer's block (``dense_layers`` defaults to those blocks). Returns (table with one row per
+    (task, source, k), fitted probes ``{(task, source, k): result}``)."""
+    import pandas as pd
+
+    if dense_layers is None:
+        dense_layers = sorted({hooks.layer_index(layer) for layer in layers.values()})
+    for name, layer in layers.items():
+        for k in ks:
+            if not 1 <= k <= layer.cfg.d_sae:
+                raise ValueError(f"k={k} must be between 1 and {name}'s {layer.cfg.d_sae} features")
+    store = PooledCache(cache) if cache is not None else None
+    rows, fitted = [], {}
+    loaded = []
+    for task_set in task_sets:  # load and split everything first: bad data fails before any model pass
+        examples = task_set.load(data_root)
+        loaded.append((task_set, examples, task_splits(examples, seed=seed)))
+    for task_set, examples, task_parts in loaded:
+        if store is not None:
+            pooled = store.get(model, examples, layers, dense_layers, context_size, batch_size, progress)
+        else:
+            pooled = pooled_activations(
+                model, layers, examples.texts, dense_layers, context_size, batch_size, progress
+            )
+        for task, (parts, y) in task_parts.items():
+            for source, X in pooled.items():
+                X = X.numpy()
+                dense = source.split(".")[0] in DENSE
+                for k in [None] if dense else ks:
+                    result = probe_task(X, y, parts, k)
+                    fitted[(task, source, k)] = result
+                    rows.append(
+                        {
+                            "task_set": task_set.name,
+                            "family": task_set.family,
+                            "task": task,
+                            "source": source,
+                            "k": "all" if k is None else k,
+                            **{key: v for key, v in result.items() if key != "probe"},
+                        }
+                    )
+    return pd.DataFrame(rows), fitted
+
+
+def layer_label(layer: MLPReplacement) -> str:
+    """'MxD K=32' / 'Transcoder K=32' / 'Skip transcoder K=32' from a layer's architecture."""
+    arch = layer.cfg.architecture().removeprefix("mxd_lens.")
+    method = {"mxd": "MxD", "topk_transcoder": "Transcoder", "skip_transcoder": "Skip transcoder"}.get(
+        arch, arch
+    )
+    return f"{method} K={layer.cfg.k}"
+
+
+def summarize(table: pd.DataFrame) -> pd.DataFrame:
+    """Mean test accuracy over tasks per (source, k), one column per k (the dense ceiling under 'all')."""
+    out = table.pivot_table(index="source", columns="k", values="test_accuracy", aggfunc="mean")
+    out.columns = [f"k={c}" for c in out.columns]
+    out["tasks"] = table.groupby("source")["task"].nunique()
+    return out
+
+
+def plot_probing(table: pd.DataFrame, labels: Mapping[str, str], path: str | Path) -> None:
+    """Mean test accuracy against k per layer (one panel per layer K, methods as lines), the dense
+    MLP input/output probes as horizontal lines."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sparse = table[table.k != "all"].copy()
+    sparse["label"] = sparse.source.map(labels)
+    sparse["method"] = sparse.label.str.rsplit(" K=", n=1).str[0]
+    sparse["K"] = sparse.label.str.rsplit(" K=", n=1).str[1].astype(int)
+    dense = table[table.k == "all"].groupby("source")["test_accuracy"].mean()
+    Ks = sorted(sparse.K.unique())
+    fig, axes = plt.subplots(1, len(Ks), figsize=(4.2 * len(Ks), 3.8), sharey=True, squeeze=False)
+    for ax, K in zip(axes[0], Ks, strict=True):
+        group = sparse[sparse.K == K].groupby(["method", "k"])["test_accuracy"].mean().reset_index()
+        for method, rows in group.groupby("method"):
+            ax.plot(rows.k.astype(int), rows.test_accuracy, marker="o", label=method)
+        for (source, acc), style in zip(dense.items(), ("--", ":", "-.", "--"), strict=False):
+            ax.axhline(acc, color="gray", linestyle=style, label=f"dense {source} (all dims)")
+        ax.set_title(f"K = {K}")
+        ax.set_xlabel("k (features in the probe)")
+        ax.set_xticks(sorted(sparse.k.astype(int).unique()))
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel(f"mean test accuracy ({table.task.nunique()} tasks)")
+    axes[0][-1].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

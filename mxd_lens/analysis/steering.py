@@ -1,0 +1,256 @@
+"""Steering with one expert coefficient (MxD) or latent (transcoder), judged without a paid LLM.
+
+``steer(model, layer, feature, alpha)`` edits the codes of a layer spliced into ``model``: it adds
+``alpha`` to code ``feature`` at every position (``mode="add"``, the paper's protocol) or sets it to
+``alpha`` (``mode="clamp"``). Use it inside ``mxd_lens.splice`` (with ``error_term=True`` the model is
+exactly the clean model at ``alpha = 0`` in add mode, so every change comes from the edit)::
+
+    with mxd_lens.splice(model, layer, error_term=True), steer(model, layer, 1234, 40.0):
+        generation = generate(model, "Let's talk about", n_samples=10)
+
+Scoring: a ``Scorer`` maps a ``Generation`` to one number per sample. Built in: ``ProbeScorer`` (a
+concept probe, e.g. the dense probe of a sparse-probing task, reading the clean model's pooled MLP
+activations over the generated tokens: the concept's strength) and ``PerplexityScorer`` (the clean
+model's perplexity of the generated tokens after the prompt: fluency). An LLM judge is one more class
+with ``name`` and ``__call__(generation) -> list[float]``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+from tqdm.auto import tqdm
+
+from mxd_lens import hooks
+
+if TYPE_CHECKING:
+    import pandas as pd
+    from transformer_lens import HookedTransformer
+
+    from mxd_lens.layers.base import MLPReplacement
+
+NEUTRAL_PROMPT = "Let's talk about"
+
+
+@contextmanager
+def steer(
+    model: HookedTransformer,
+    layer: MLPReplacement,
+    feature: int | Sequence[int],
+    alpha: float | Sequence[float],
+    mode: str = "add",
+) -> Iterator[HookedTransformer]:
+    """Edit ``layer``'s codes while ``model`` runs: ``codes[..., f] += alpha`` (add) or ``= alpha``
+    (clamp) at every position, for each feature ``f`` (with its own alpha when a sequence is given).
+    ``layer`` must be spliced into ``model`` (``mxd_lens.splice``)."""
+    features = [feature] if isinstance(feature, int) else list(feature)
+    alphas = [float(alpha)] * len(features) if isinstance(alpha, (int, float)) else [float(a) for a in alpha]
+    if mode not in ("add", "clamp"):
+        raise ValueError(f"mode={mode!r}: choose 'add' or 'clamp'")
+    if len(alphas) != len(features):
+        raise ValueError(f"{len(features)} features but {len(alphas)} alphas")
+    bad = [
+        f for f in features if isinstance(f, bool) or not isinstance(f, int) or not 0 <= f < layer.cfg.d_sae
+    ]
+    if bad:
+        raise IndexError(
+            f"features {bad} out of range: this layer has {layer.cfg.d_sae} (0..{layer.cfg.d_sae - 1})"
+        )
+    index = hooks.layer_index(layer)
+    if hooks.spliced_layers(model).get(index) is not layer:
+        raise ValueError(
+            f"this layer is not spliced into {model.cfg.model_name} (block {index}): steer inside "
+            "`with mxd_lens.splice(model, layer, error_term=True):`"
+        )
+    cols = torch.tensor(features)
+
+    def edit(module: Any, inputs: Any, codes: torch.Tensor) -> torch.Tensor:
+        codes = codes.clone()
+        values = torch.tensor(alphas, dtype=codes.dtype, device=codes.device)
+        if mode == "add":
+            codes[..., cols] += values
+        else:
+            codes[..., cols] = values.expand_as(codes[..., cols])
+        return codes
+
+    handle = layer.hook_sae_acts_post.register_forward_hook(edit)
+    try:
+        yield model
+    finally:
+        handle.remove()
+
+
+@dataclass
+class Generation:
+    """Samples from one prompt: ``tokens`` [n, prompt_len + new] (the prompt's tokens first)."""
+
+    prompt: str
+    tokens: torch.Tensor
+    prompt_len: int
+    texts: list[str]  # the generated continuations only
+
+
+@torch.no_grad()
+def generate(
+    model: HookedTransformer,
+    prompt: str = NEUTRAL_PROMPT,
+    n_samples: int = 10,
+    max_new_tokens: int = 32,
+    temperature: float = 1.0,
+    top_p: float | None = None,
+    seed: int = 0,
+) -> Generation:
+    """``n_samples`` continuations sampled with hooks as they are (steer/splice apply); the random
+    state is forked, so the same seed gives the same samples under different steering."""
+    if n_samples < 1 or max_new_tokens < 1:
+        raise ValueError(f"n_samples={n_samples} and max_new_tokens={max_new_tokens} must be >= 1")
+    prompt_tokens = model.to_tokens(prompt)
+    start = prompt_tokens.shape[1]
+    if start + max_new_tokens > model.cfg.n_ctx:
+        raise ValueError(f"{start} prompt + {max_new_tokens} new tokens exceed n_ctx={model.cfg.n_ctx}")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        tokens = model.generate(
+            prompt_tokens.expand(n_samples, -1),
+            max_new_tokens=max_new_tokens,
+            stop_at_eos=False,
+            temperature=temperature,
+            top_p=top_p,
+            verbose=False,
+            return_type="tokens",
+        )
+    texts = [model.to_string(row[start:]) for row in tokens]
+    return Generation(prompt, tokens.cpu().clone(), start, texts)  # generate returns inference tensors
+
+
+class Scorer(Protocol):
+    name: str
+
+    def __call__(self, generation: Generation) -> list[float]: ...
+
+
+class PerplexityScorer:
+    """The clean model's perplexity of each sample's generated tokens given the prompt (fluency: lower
+    is better). Scores must be computed outside any splice/steer context to be the clean model's."""
+
+    name = "perplexity"
+
+    def __init__(self, model: HookedTransformer):
+        self.model = model
+
+    @torch.no_grad()
+    def __call__(self, generation: Generation) -> list[float]:
+        if hooks.spliced_layers(self.model):
+            raise RuntimeError("PerplexityScorer must run on the clean model: call it outside splice()")
+        tokens = generation.tokens.to(next(self.model.parameters()).device)
+        logp = self.model(tokens).log_softmax(-1)[:, :-1]
+        nll = -logp.gather(-1, tokens[:, 1:, None])[..., 0][:, generation.prompt_len - 1 :]
+        return nll.mean(1).exp().tolist()
+
+
+class ProbeScorer:
+    """P(concept) from a probe on the clean model's MLP activations of ``block`` (``kind`` 'mlp_in' or
+    'mlp_out'), mean-pooled over the generated tokens only: how strongly the text carries the concept."""
+
+    def __init__(
+        self, model: HookedTransformer, probe: Any, block: int, kind: str = "mlp_in", name: str = "concept"
+    ):
+        if kind not in ("mlp_in", "mlp_out"):
+            raise ValueError(f"kind={kind!r}: choose 'mlp_in' or 'mlp_out'")
+        self.model, self.probe, self.block, self.kind, self.name = model, probe, block, kind, name
+
+    @torch.no_grad()
+    def __call__(self, generation: Generation) -> list[float]:
+        if hooks.spliced_layers(self.model):
+            raise RuntimeError("ProbeScorer must run on the clean model: call it outside splice()")
+        tokens = generation.tokens.to(next(self.model.parameters()).device)
+        with hooks.capture_mlp_io(self.model, [self.block]) as io:
+            self.model(tokens, stop_at_layer=self.block + 1)
+        acts = io[self.block]["in" if self.kind == "mlp_in" else "out"][:, generation.prompt_len :]
+        pooled = acts.mean(1).float().cpu().numpy()
+        return self.probe.predict_proba(pooled)[:, 1].tolist()
+
+
+@torch.no_grad()
+def max_activation(
+    model: HookedTransformer, layer: MLPReplacement, feature: int, token_batches: Sequence[torch.Tensor]
+) -> float:
+    """The largest value code ``feature`` takes on these token rows (BOS excluded): the unit in which a
+    steering alpha is comparable across features and layer types."""
+    index = hooks.layer_index(layer)
+    best = 0.0
+    for tokens in token_batches:
+        with hooks.capture_mlp_io(model, [index]) as io:
+            model(tokens, stop_at_layer=index + 1)
+        codes = layer.encode(io[index]["in"])[:, 1:, feature]
+        best = max(best, float(codes.max()))
+    return best
+
+
+def sweep(
+    model: HookedTransformer,
+    targets: Sequence[Mapping[str, Any]],
+    multiples: Sequence[float],
+    scorers: Sequence[Scorer],
+    prompt: str = NEUTRAL_PROMPT,
+    n_samples: int = 10,
+    max_new_tokens: int = 32,
+    seed: int = 0,
+    progress: bool = True,
+) -> pd.DataFrame:
+    """Generate at ``alpha = multiple x target['scale']`` for each target (a mapping with ``layer``,
+    ``feature``, ``scale`` and any labels to carry, e.g. ``name``, ``task``), score every generation
+    with each scorer (a target may bring its own ``scorers``), one row per (target, multiple)."""
+    import pandas as pd
+
+    rows = []
+    bar = tqdm(total=len(targets) * len(multiples), desc="steering", disable=not progress)
+    for target in targets:
+        layer = target["layer"]
+        for multiple in multiples:
+            alpha = multiple * target["scale"]
+            with hooks.splice(model, layer, error_term=True), steer(model, layer, target["feature"], alpha):
+                generation = generate(model, prompt, n_samples, max_new_tokens, seed=seed)
+            row = {k: v for k, v in target.items() if k not in ("layer", "scorers")}
+            row.update(multiple=multiple, alpha=alpha, example=generation.texts[0])
+            for scorer in [*scorers, *target.get("scorers", [])]:
+                scores = scorer(generation)
+                row[scorer.name] = sum(scores) / len(scores)
+            rows.append(row)
+            bar.update()
+    bar.close()
+    return pd.DataFrame(rows)
+
+
+def plot_sweep(table: pd.DataFrame, path: str, concept: str = "concept", fluency: str = "perplexity") -> None:
+    """Concept strength against fluency, one line per (method, task) along increasing alpha (the
+    paper's steerability-vs-coherence picture), with one panel per task."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tasks = list(dict.fromkeys(table["task"]))
+    fig, axes = plt.subplots(1, len(tasks), figsize=(4.2 * len(tasks), 3.8), squeeze=False)
+    for ax, task in zip(axes[0], tasks, strict=True):
+        for method, rows in table[table.task == task].groupby("method", sort=False):
+            rows = rows.sort_values("multiple")
+            ax.plot(rows[fluency], rows[concept], marker="o", label=method)
+            for _, r in rows.iterrows():
+                ax.annotate(f"{r.multiple:g}", (r[fluency], r[concept]), fontsize=6, alpha=0.7)
+        ax.set_xscale("log")
+        ax.set_xlabel("clean-model perplexity of the generation (fluency, lower is better)")
+        ax.set_title(task, fontsize=9)
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("P(concept) from the task's dense probe")
+    axes[0][-1].legend(fontsize=8)
+    fig.suptitle(
+        "Steering one feature: labels are alpha in units of the feature's max activation", fontsize=9
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,165 @@
+"""Sparse probing: pooling against a one-text-at-a-time loop, train-only selection, the probe, tasks."""
+
+from __future__ import annotations
+
+import json
+import lzma
+import random
+
+import numpy as np
+import pytest
+import torch
+from conftest import WORDS, make_text_model, randomise
+
+from mxd_lens.analysis import probing
+from mxd_lens.analysis.tasks import TaskSet, binary_task, jsonl_task_set, splits
+from mxd_lens.hooks import capture_mlp_io
+from mxd_lens.layers import MxD, Transcoder
+
+
+@pytest.fixture(scope="module")
+def text_model(tmp_path_factory):
+    model, _ = make_text_model(tmp_path_factory.mktemp("tm"))
+    return model
+
+
+def labelled_file(path, n_per_class=30, classes=("cat", "dog", "bird"), seed=0):
+    """Texts of random words where each class's texts repeat one marker word ('cat', 'dogs', 'birds')."""
+    rng = random.Random(seed)
+    markers = {"cat": "cat", "dog": "dogs", "bird": "birds"}
+    rows = []
+    for c in classes:
+        for _ in range(n_per_class):
+            words = [rng.choice(WORDS[4:]) for _ in range(rng.randint(3, 9))]
+            words.insert(rng.randrange(len(words)), markers[c])
+            rows.append({"text": " ".join(words), "label": c})
+    rng.shuffle(rows)
+    with lzma.open(path, "wt") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    return path
+
+
+def test_pooling_equals_one_text_at_a_time(text_model):
+    layers = {"mxd": randomise(MxD.for_model(text_model, 1, d_sae=12, k=3, d_hidden=8), 1),
+              "tc": randomise(Transcoder.for_model(text_model, 1, d_sae=20, k=4), 2)}  # fmt: skip
+    texts = ["the cat sat on a mat", "dogs", "birds sang songs of rain over green hills and the cat ran",
+             "a mat while dogs ran"]  # fmt: skip
+    pooled = probing.pooled_activations(text_model, layers, texts, dense_layers=[0, 1], context_size=8,
+                                        batch_size=3, progress=False)  # fmt: skip
+    bos = text_model.tokenizer.bos_token_id
+    for i, text in enumerate(texts):
+        ids = text_model.tokenizer(text, add_special_tokens=False)["input_ids"][:7]
+        tokens = torch.tensor([[bos] + ids])
+        with capture_mlp_io(text_model, [0, 1]) as io:
+            text_model(tokens)
+        for name, layer in layers.items():
+            codes = layer.encode(io[1]["in"])[0, 1:]  # the text's tokens: no BOS, the last one kept
+            torch.testing.assert_close(pooled[name][i], codes.mean(0), atol=1e-5, rtol=1e-5)
+        for L in (0, 1):
+            torch.testing.assert_close(
+                pooled[f"mlp_in.L{L}"][i], io[L]["in"][0, 1:].mean(0), atol=1e-5, rtol=1e-5
+            )
+            torch.testing.assert_close(
+                pooled[f"mlp_out.L{L}"][i], io[L]["out"][0, 1:].mean(0), atol=1e-5, rtol=1e-5
+            )
+
+
+def test_rank_features_uses_only_the_rows_it_is_given():
+    rng = np.random.default_rng(0)
+    y = np.array([0, 1] * 50)
+    X = rng.normal(size=(100, 6))
+    X[:, 4] += 3 * y  # separates the classes everywhere
+    parts = {"train": list(range(60)), "val": list(range(60, 80)), "test": list(range(80, 100))}
+    X_bad = X.copy()
+    X_bad[80:, 2] += 50 * y[80:]  # a feature that separates only the test rows
+    for data in (X, X_bad):
+        result = probing.probe_task(data, y, parts, k=1)
+        assert result["features"] == [4]
+    # the reference: the argmax of |class mean difference| over the training rows
+    tr = np.arange(60)
+    diff = np.abs(X[tr][y[tr] == 1].mean(0) - X[tr][y[tr] == 0].mean(0))
+    assert list(probing.rank_features(X[tr], y[tr])) == list(np.argsort(-diff, kind="stable"))
+
+
+def test_probe_accuracy_and_validation_choice():
+    rng = np.random.default_rng(1)
+    y = np.array([0, 1] * 60)
+    X = rng.normal(size=(120, 3))
+    X[:, 0] += 4 * (2 * y - 1)
+    parts = {"train": list(range(80)), "val": list(range(80, 100)), "test": list(range(100, 120))}
+    result = probing.probe_task(X, y, parts, k=2)
+    assert result["test_accuracy"] == 1.0 and result["features"][0] == 0
+    noise = probing.probe_task(rng.normal(size=(120, 3)), y, parts, k=1)
+    assert noise["test_accuracy"] < 0.85
+    with pytest.raises(ValueError, match="k=4"):
+        probing.probe_task(X, y, parts, k=4)
+
+
+def test_run_probing_finds_the_planted_feature(text_model, tmp_path):
+    path = labelled_file(tmp_path / "animals.jsonl.xz")
+    task_set = jsonl_task_set(path, ["cat", "dog", "bird"], per_class=30)
+    # a transcoder whose latent 5 reads exactly the 'cat' token's MLP input (all latents kept: k = d_sae)
+    layer = Transcoder.for_model(text_model, 1, d_sae=16, k=16)
+    randomise(layer, 3, scale=0.01)
+    cat = text_model.tokenizer("cat", add_special_tokens=False)["input_ids"]
+    with capture_mlp_io(text_model, [1]) as io:
+        text_model(torch.tensor([[0] + cat * 3]))
+    direction = io[1]["in"][0, 1:].mean(0)
+    with torch.no_grad():
+        layer.W_enc[:, 5] = 10 * direction / direction.norm() ** 2
+        layer.b_enc[5] = 0.0
+    table, fitted = probing.run_probing(text_model, [task_set], {"tc": layer}, ks=[1, 2], context_size=12,
+                                        cache=tmp_path / "cache", progress=False)  # fmt: skip
+    assert set(table.task) == {"animals/cat", "animals/dog", "animals/bird"}
+    row = table[(table.task == "animals/cat") & (table.source == "tc") & (table.k == 1)].iloc[0]
+    assert row.features == [5]
+    assert row.test_accuracy >= 0.75  # 12 test texts; chance is 0.5
+    assert set(table[table.k == "all"].source) == {"mlp_in.L1", "mlp_out.L1"}
+    # the cache gives back the same pooled activations and notices edited weights
+    store = probing.PooledCache(tmp_path / "cache")
+    examples = task_set.load()
+    again = store.get(text_model, examples, {"tc": layer}, [1], context_size=12, progress=False)
+    fresh = probing.pooled_activations(
+        text_model, {"tc": layer}, examples.texts, [1], context_size=12, progress=False
+    )
+    for key in fresh:
+        torch.testing.assert_close(again[key], fresh[key])
+    with torch.no_grad():
+        layer.W_enc[:, 5] *= 2
+    edited = store.get(text_model, examples, {"tc": layer}, [1], context_size=12, progress=False)
+    torch.testing.assert_close(edited["tc"][:, 5], 2 * fresh["tc"][:, 5], atol=1e-5, rtol=1e-5)
+
+
+def test_splits_are_stratified_disjoint_and_seeded():
+    labels = ["a"] * 20 + ["b"] * 30
+    s = splits(labels, (0.6, 0.2, 0.2), seed=3)
+    assert sorted(s["train"] + s["val"] + s["test"]) == list(range(50))
+    assert sum(labels[i] == "a" for i in s["test"]) == 4 and sum(labels[i] == "b" for i in s["test"]) == 6
+    assert s == splits(labels, (0.6, 0.2, 0.2), seed=3) and s != splits(labels, (0.6, 0.2, 0.2), seed=4)
+    rows, y = binary_task(labels, "a", s["train"])
+    assert sum(y) == len(y) // 2 == 12 and all(labels[r] == "a" for r, t in zip(rows, y, strict=True) if t)
+
+
+def test_bad_input(tmp_path, text_model):
+    with pytest.raises(ValueError, match="two distinct classes"):
+        TaskSet("x", ("a",), file="f.jsonl")
+    with pytest.raises(ValueError, match="too few to split"):
+        TaskSet("x", ("a", "b"), per_class=3, file="f.jsonl")
+    with pytest.raises(ValueError, match="at least 2 per class"):
+        splits(["a"] * 4 + ["b"] * 4)
+    with pytest.raises(ValueError, match="only one class"):
+        splits(["a"] * 40)
+    missing = tmp_path / "missing.jsonl"
+    missing.write_text('{"text": "the cat"}\n')
+    with pytest.raises(ValueError, match="lacks"):
+        jsonl_task_set(missing, ["a", "b"], per_class=5).load()
+    path = labelled_file(tmp_path / "few.jsonl.xz", n_per_class=6)
+    with pytest.raises(ValueError, match="too few examples"):
+        jsonl_task_set(path, ["cat", "dog"], per_class=10).load()
+    with pytest.raises(ValueError, match="tokenises to nothing"):
+        probing.tokenize_texts(text_model, ["the cat", ""], 8)
+    layer = Transcoder.for_model(text_model, 1, d_sae=16, k=4)
+    task_set = jsonl_task_set(path, ["cat", "dog"], per_class=6)
+    with pytest.raises(ValueError, match="k=17"):
+        probing.run_probing(text_model, [task_set], {"tc": layer}, ks=[17], context_size=12, progress=False)

@@ -1,0 +1,131 @@
+"""Steering: the code edit against a dense formula, exactness at alpha = 0, generation and scorers."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from conftest import make_model, make_text_model, randomise
+
+import mxd_lens
+from mxd_lens.analysis import steering
+from mxd_lens.hooks import capture_mlp_io, spliced_layers
+from mxd_lens.layers import MxD, Transcoder
+
+
+def dense_output(layer, x, codes):
+    """The layer output from edited codes, written out: transcoder a W_dec + b; MxD (z D) * (a C) + b."""
+    if isinstance(layer, MxD):
+        return (layer.hidden(x) @ layer.W_out) * (codes @ layer.W_dec) + layer.b_dec
+    return codes @ layer.W_dec + layer.b_dec + (x @ layer.W_skip if hasattr(layer, "W_skip") else 0)
+
+
+@pytest.mark.parametrize("cls", [MxD, Transcoder])
+@pytest.mark.parametrize("mode", ["add", "clamp"])
+def test_steer_edits_one_code_at_every_position(cls, mode, tokens):
+    model = make_model("gated")
+    extra = {"d_hidden": 8} if cls is MxD else {}
+    layer = randomise(cls.for_model(model, 1, d_sae=24, k=4, **extra), 1)
+    feature, alpha = 7, 2.5
+    with capture_mlp_io(model, [1]) as io:
+        model(tokens)
+    x = io[1]["in"]
+    codes = layer.encode(x).detach()
+    if mode == "add":
+        codes[..., feature] += alpha
+    else:
+        codes[..., feature] = alpha
+    expected = dense_output(layer, x, codes)
+    with mxd_lens.splice(model, layer), steering.steer(model, layer, feature, alpha, mode=mode):
+        with capture_mlp_io(model, [1]) as io2:
+            model(tokens)
+    torch.testing.assert_close(io2[1]["out"], expected, atol=1e-5, rtol=1e-4)
+
+
+def test_alpha_zero_with_error_term_is_the_clean_model(tokens):
+    model = make_model("gpt2")
+    layer = randomise(MxD.for_model(model, 1, d_sae=24, k=4, d_hidden=8), 2)
+    clean = model(tokens)
+    with mxd_lens.splice(model, layer, error_term=True), steering.steer(model, layer, 3, 0.0):
+        torch.testing.assert_close(model(tokens), clean, atol=1e-5, rtol=1e-5)
+        assert spliced_layers(model) == {1: layer}
+    assert spliced_layers(model) == {}
+    with mxd_lens.splice(model, layer, error_term=True), steering.steer(model, layer, 3, 5.0):
+        assert not torch.allclose(model(tokens), clean, atol=1e-3)
+
+
+def test_steering_errors(tokens):
+    model = make_model("gpt2")
+    layer = MxD.for_model(model, 1, d_sae=24, k=4, d_hidden=8)
+    other = MxD.for_model(model, 1, d_sae=24, k=4, d_hidden=8)
+    with pytest.raises(ValueError, match="not spliced"):
+        with steering.steer(model, layer, 3, 1.0):
+            pass
+    with mxd_lens.splice(model, other):
+        with pytest.raises(ValueError, match="not spliced"):
+            with steering.steer(model, layer, 3, 1.0):
+                pass
+        with pytest.raises(ValueError, match="at most one per block"):
+            with mxd_lens.splice(model, layer):
+                pass
+    with mxd_lens.splice(model, layer):
+        for bad in (24, -1):
+            with pytest.raises(IndexError, match="out of range"):
+                with steering.steer(model, layer, bad, 1.0):
+                    pass
+        with pytest.raises(ValueError, match="mode"):
+            with steering.steer(model, layer, 1, 1.0, mode="scale"):
+                pass
+
+
+def test_generation_scorers_and_sweep(tmp_path):
+    from sklearn.linear_model import LogisticRegression
+
+    model, _ = make_text_model(tmp_path)
+    layer = randomise(Transcoder.for_model(model, 1, d_sae=16, k=4), 4)
+    g1 = steering.generate(model, "the cat", n_samples=3, max_new_tokens=4, seed=5)
+    g2 = steering.generate(model, "the cat", n_samples=3, max_new_tokens=4, seed=5)
+    assert torch.equal(g1.tokens, g2.tokens) and g1.tokens.shape == (3, g1.prompt_len + 4)
+    assert len(g1.texts) == 3
+    # perplexity: exp of the mean NLL of the generated tokens, written out
+    ppl = steering.PerplexityScorer(model)(g1)
+    logp = model(g1.tokens).log_softmax(-1)
+    for i in range(3):
+        nll = [-logp[i, t - 1, g1.tokens[i, t]].item() for t in range(g1.prompt_len, g1.tokens.shape[1])]
+        assert ppl[i] == pytest.approx(float(np.exp(np.mean(nll))), rel=1e-4)
+    # the probe scorer pools the clean MLP input over the generated tokens only
+    rng = np.random.default_rng(0)
+    probe = LogisticRegression().fit(rng.normal(size=(20, 16)), [0, 1] * 10)
+    scores = steering.ProbeScorer(model, probe, block=1)(g1)
+    with capture_mlp_io(model, [1]) as io:
+        model(g1.tokens)
+    pooled = io[1]["in"][:, g1.prompt_len :].mean(1).detach().numpy()
+    np.testing.assert_allclose(scores, probe.predict_proba(pooled)[:, 1], rtol=1e-5)
+    with mxd_lens.splice(model, layer), pytest.raises(RuntimeError, match="clean model"):
+        steering.PerplexityScorer(model)(g1)
+    # a sweep: one row per (target, multiple), scorers run on the clean model
+    targets = [
+        {"name": "tc", "method": "Transcoder", "task": "t", "layer": layer, "feature": 2, "scale": 1.0}
+    ]
+    table = steering.sweep(
+        model, targets, [0, 50], [steering.PerplexityScorer(model)], prompt="the cat", n_samples=2,
+        max_new_tokens=3, progress=False,
+    )  # fmt: skip
+    assert list(table.multiple) == [0, 50] and table.perplexity.notna().all()
+    assert spliced_layers(model) == {}
+    steering.plot_sweep(table.assign(concept=[0.1, 0.9]), str(tmp_path / "s.png"))
+    assert (tmp_path / "s.png").stat().st_size > 0
+
+
+def test_encode_decode_in_inference_mode_respects_in_place_edits(tokens):
+    """TL's generate runs under inference_mode, whose tensors have no version counter."""
+    model = make_model("gpt2")
+    layer = randomise(MxD.for_model(model, 1, d_sae=24, k=4, d_hidden=8), 3)
+    x = torch.randn(3, 5, model.cfg.d_model)
+    with torch.inference_mode():
+        codes = layer.encode(x)
+        torch.testing.assert_close(layer.decode(codes), layer.forward_reference(x), atol=1e-5, rtol=1e-4)
+        codes[..., 0] += 3.0
+        edited = layer.decode(codes)
+    ref = codes.clone()
+    torch.testing.assert_close(edited, dense_output(layer, x, ref), atol=1e-5, rtol=1e-4)
