@@ -1,0 +1,460 @@
+"""The toy induction-head task and the 2-layer attention-only model that SPD decomposes.
+
+A sequence of length T is ``[BOS] body [S]`` with ``S M`` planted once in the body: the model must
+predict M at the final position. Positions: s1 (the planted S), m = s1 + 1, s2 = T - 1 (the final S).
+The expected circuit: the layer-0 head at m attends to s1 ("the previous token is S"); the layer-1
+head at s2 attends to m (its key carries "follows S") and copies M's identity to the output.
+
+The model adds a fixed sinusoidal position code to the query and key inputs only (TransformerLens'
+"shortformer" positional embedding, added in every block), never to the residual stream or values.
+
+Training: AdamW, cross-entropy at the final position. Seen on 2 CPU cores: at lr 1e-3 accuracy sits
+on a plateau near 14% for thousands of steps, and 3e-3 solves it; ``Plateau`` raises the rate when
+eval accuracy stops improving. Checkpoints are written to a temporary folder and renamed, and
+``latest`` names the newest whole one, so a killed run resumes to the same weights as an unbroken one.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from transformer_lens import HookedTransformer, HookedTransformerConfig
+
+EVAL_SEED_OFFSET = 1_000_003  # the held-out batch's generator: seed + this, never the training stream
+
+
+@dataclass(frozen=True)
+class InductionTask:
+    """Token ids: BOS = 0, base tokens 1..n_base_tokens, the induction token S = n_base_tokens + 1."""
+
+    n_base_tokens: int = 128
+    seq_len: int = 64
+
+    def __post_init__(self) -> None:
+        if self.n_base_tokens < 2:
+            raise ValueError(f"n_base_tokens={self.n_base_tokens}: need at least 2 base tokens")
+        if self.seq_len < 4:
+            raise ValueError(f"seq_len={self.seq_len}: need room for BOS, S, M and the final S (>= 4)")
+
+    @property
+    def bos(self) -> int:
+        return 0
+
+    @property
+    def induction_token(self) -> int:
+        return self.n_base_tokens + 1
+
+    @property
+    def d_vocab(self) -> int:
+        return self.n_base_tokens + 2
+
+    def sample_batch(self, batch: int, generator: torch.Generator) -> InductionBatch:
+        """``batch`` sequences; s1 is uniform on 1..T-3, so M (at s1 + 1) lies before the final S."""
+        if not isinstance(batch, int) or batch <= 0:
+            raise ValueError(f"batch={batch!r} must be a positive int")
+        if not isinstance(generator, torch.Generator):
+            raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
+        T, S = self.seq_len, self.induction_token
+        tokens = torch.randint(1, self.n_base_tokens + 1, (batch, T), generator=generator)
+        s1 = torch.randint(1, T - 2, (batch,), generator=generator)
+        labels = torch.randint(1, self.n_base_tokens + 1, (batch,), generator=generator)
+        rows = torch.arange(batch)
+        tokens[:, 0] = self.bos
+        tokens[rows, s1] = S
+        tokens[rows, s1 + 1] = labels
+        tokens[:, -1] = S
+        return InductionBatch(tokens, labels, s1)
+
+    def sample(self, batch: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tokens [batch, seq_len], labels [batch]); ``sample_batch`` also gives the planted position."""
+        sampled = self.sample_batch(batch, generator)
+        return sampled.tokens, sampled.labels
+
+
+class InductionBatch(NamedTuple):
+    tokens: torch.Tensor  # [batch, seq_len]
+    labels: torch.Tensor  # [batch] M, the token to predict at the final position
+    s1: torch.Tensor  # [batch] position of the planted S
+
+    @property
+    def m(self) -> torch.Tensor:
+        return self.s1 + 1
+
+    @property
+    def s2(self) -> int:
+        return self.tokens.shape[1] - 1
+
+
+def sinusoidal_positions(n_ctx: int, d_model: int) -> torch.Tensor:
+    """PE[p, 2i] = sin(p / 10000^(2i/d)), PE[p, 2i+1] = cos(p / 10000^(2i/d))  (Vaswani et al.)."""
+    if d_model % 2:
+        raise ValueError(f"d_model={d_model} must be even for a sin/cos position code")
+    position = torch.arange(n_ctx, dtype=torch.float64)[:, None]
+    frequency = torch.exp(-math.log(10000.0) * torch.arange(0, d_model, 2, dtype=torch.float64) / d_model)
+    pe = torch.zeros(n_ctx, d_model, dtype=torch.float64)
+    pe[:, 0::2] = torch.sin(position * frequency)
+    pe[:, 1::2] = torch.cos(position * frequency)
+    return pe.float()
+
+
+def induction_model_config(task: InductionTask | None = None) -> dict[str, Any]:
+    """The ``HookedTransformerConfig`` arguments (kept with the weights so ``load_induction_model``
+    rebuilds the same model)."""
+    task = task or InductionTask()
+    return dict(
+        n_layers=2,
+        d_model=16,
+        n_heads=1,
+        d_head=16,
+        d_mlp=None,
+        attn_only=True,
+        act_fn=None,
+        normalization_type=None,
+        n_ctx=task.seq_len,
+        d_vocab=task.d_vocab,
+        d_vocab_out=task.d_vocab,
+        positional_embedding_type="shortformer",
+        default_prepend_bos=False,
+    )
+
+
+def _build(cfg: dict[str, Any]) -> HookedTransformer:
+    model = HookedTransformer(HookedTransformerConfig(**cfg))
+    with torch.no_grad():
+        model.pos_embed.W_pos.copy_(sinusoidal_positions(cfg["n_ctx"], cfg["d_model"]))
+    model.pos_embed.W_pos.requires_grad_(False)
+    return model
+
+
+def induction_model(seed: int, task: InductionTask | None = None) -> HookedTransformer:
+    """A fresh model, initialised from ``seed`` (TL's GPT-2 init) without touching the global RNG."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return _build(induction_model_config(task))
+
+
+def final_logits(model: HookedTransformer, tokens: torch.Tensor) -> torch.Tensor:
+    """Logits at the last position only [batch, d_vocab] (the same as ``model(tokens)[:, -1]``, without
+    unembedding every position); no final LayerNorm in this model."""
+    residual = model(tokens, stop_at_layer=model.cfg.n_layers)
+    return model.unembed(residual[:, -1:])[:, 0]
+
+
+@torch.no_grad()
+def accuracy(model: HookedTransformer, tokens: torch.Tensor, labels: torch.Tensor) -> float:
+    """Fraction of sequences whose final-position argmax is the label."""
+    if tokens.ndim != 2 or labels.shape != tokens.shape[:1]:
+        raise ValueError(
+            f"need tokens [b, T] and labels [b], got {tuple(tokens.shape)}, {tuple(labels.shape)}"
+        )
+    return float((final_logits(model, tokens).argmax(-1) == labels).float().mean())
+
+
+@torch.no_grad()
+def attention_to_memorised_token(
+    model: HookedTransformer, tokens: torch.Tensor, planted: torch.Tensor, head: int = 0
+) -> dict[str, float]:
+    """Mean attention of the expected circuit, for ``planted`` = s1 per row:
+    ``layer1_s2_to_m`` (layer-1 head, final query onto M) and ``layer0_m_to_s1`` (layer-0 head, query
+    at M onto the planted S)."""
+    if planted.shape != tokens.shape[:1]:
+        raise ValueError(
+            f"planted {tuple(planted.shape)} must give one s1 per row of tokens {tuple(tokens.shape)}"
+        )
+    if not 0 <= head < model.cfg.n_heads:
+        raise ValueError(f"head={head} out of range for n_heads={model.cfg.n_heads}")
+    names = ("blocks.0.attn.hook_pattern", "blocks.1.attn.hook_pattern")
+    _, cache = model.run_with_cache(tokens, names_filter=lambda name: name in names)
+    rows, s1 = torch.arange(tokens.shape[0]), planted.long()
+    pattern0, pattern1 = cache[names[0]][:, head], cache[names[1]][:, head]  # [b, query, key]
+    return {
+        "layer1_s2_to_m": float(pattern1[rows, -1, s1 + 1].mean()),
+        "layer0_m_to_s1": float(pattern0[rows, s1 + 1, s1].mean()),
+    }
+
+
+# -- training ----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Plateau:
+    """Raise the lr by ``factor`` when eval accuracy has not beaten its best by more than ``margin``
+    for ``window`` steps while below ``below``; at most ``max_raises`` times (0: never)."""
+
+    window: int = 1500
+    margin: float = 0.01
+    below: float = 0.9
+    factor: float = 3.0
+    max_raises: int = 1
+
+    def __post_init__(self) -> None:
+        if self.window <= 0 or self.margin < 0 or self.factor <= 0 or self.max_raises < 0:
+            raise ValueError(
+                f"bad plateau settings {self}: need window > 0, margin >= 0, factor > 0, max_raises >= 0"
+            )
+
+
+DEFAULT_PLATEAU = Plateau()
+
+
+@dataclass
+class _State:
+    step: int = 0
+    best_acc: float = -1.0
+    best_step: int = 0
+    raises: int = 0
+    solved: bool = False
+    loss_sum: float = 0.0  # training loss/accuracy since the last eval
+    acc_sum: float = 0.0
+    n_sum: int = 0
+
+
+def train_induction_model(
+    out_dir: str | Path,
+    steps: int,
+    batch_size: int = 1024,
+    lr: float = 1e-3,
+    seed: int = 0,
+    plateau: Plateau | None = DEFAULT_PLATEAU,
+    progress: bool = True,
+    task: InductionTask | None = None,
+    eval_every: int = 100,
+    eval_size: int = 4096,
+    target_accuracy: float = 0.995,
+    checkpoint_every: int = 500,
+    keep_checkpoints: int = 2,
+) -> tuple[HookedTransformer, dict[str, Any]]:
+    """Train to ``steps`` (or until eval accuracy >= ``target_accuracy``), resuming from the latest
+    checkpoint in ``out_dir`` (with the same settings; only ``target_accuracy`` may change). Writes
+    out_dir/model.pt and out_dir/history.json; returns (model, history). ``plateau=None`` keeps the
+    lr fixed."""
+    task = task or InductionTask()
+    if steps < 0 or batch_size <= 0 or eval_every <= 0 or eval_size <= 0 or checkpoint_every < 0:
+        raise ValueError(
+            f"need steps >= 0, batch_size > 0, eval_every > 0, eval_size > 0, checkpoint_every >= 0; got "
+            f"steps={steps}, batch_size={batch_size}, eval_every={eval_every}, eval_size={eval_size}, "
+            f"checkpoint_every={checkpoint_every}"
+        )
+    if not lr > 0 or not 0 < target_accuracy <= 1:
+        raise ValueError(
+            f"need lr > 0 and 0 < target_accuracy <= 1, got lr={lr}, target_accuracy={target_accuracy}"
+        )
+    out_dir = Path(out_dir)
+    config = {
+        "task": asdict(task),
+        "batch_size": batch_size,
+        "lr": lr,
+        "seed": seed,
+        "plateau": asdict(plateau) if plateau else None,
+        "eval_every": eval_every,
+        "eval_size": eval_size,
+        "target_accuracy": target_accuracy,
+    }
+    model = induction_model(seed, task)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
+    generator = torch.Generator().manual_seed(seed)
+    held_out = task.sample_batch(eval_size, torch.Generator().manual_seed(seed + EVAL_SEED_OFFSET))
+    state, history = _State(), {"config": config, "records": [], "events": []}
+    checkpoint = latest_checkpoint(out_dir)
+    if checkpoint is not None:
+        saved = torch.load(checkpoint / "state.pt", weights_only=True)
+        # The target only decides when to stop: a finished run may go on to a stricter one.
+        diff = {
+            k: (saved["config"].get(k), v)
+            for k, v in config.items()
+            if saved["config"].get(k) != v and k != "target_accuracy"
+        }
+        if diff:
+            raise ValueError(
+                f"{checkpoint} was trained with other settings (checkpoint, asked): {diff}; "
+                "ask for the same ones or use a fresh out_dir"
+            )
+        model.load_state_dict(saved["model"])
+        optimizer.load_state_dict(saved["optimizer"])
+        generator.set_state(saved["generator"])
+        state, history = _State(**saved["state"]), saved["history"]
+        if history["config"]["target_accuracy"] != target_accuracy:
+            history["config"]["target_accuracy"] = target_accuracy
+            records = history["records"]
+            state.solved = bool(records) and records[-1]["eval_acc"] >= target_accuracy
+        if progress:
+            print(f"resumed from {checkpoint} at step {state.step}", flush=True)
+
+    started, start_step = time.perf_counter(), state.step
+    while state.step < steps and not state.solved:
+        tokens, labels = task.sample(batch_size, generator)
+        logits = final_logits(model, tokens)
+        loss = F.cross_entropy(logits, labels)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        state.step += 1
+        state.loss_sum += loss.item()
+        state.acc_sum += float((logits.argmax(-1) == labels).float().mean())
+        state.n_sum += 1
+        if state.step % eval_every == 0 or state.step == steps:
+            record = _evaluate(model, held_out, state, optimizer, started, start_step)
+            history["records"].append(record)
+            n_events = len(history["events"])
+            _update_plateau(record, state, optimizer, plateau, history["events"])
+            if record["eval_acc"] >= target_accuracy:
+                state.solved = True
+                history["events"].append(
+                    {"step": state.step, "kind": "solved", "eval_acc": record["eval_acc"]}
+                )
+            if progress:
+                print(
+                    f"step {state.step:6d}  loss {record['loss']:.4f}  acc {record['acc']:.3f}  "
+                    f"eval_acc {record['eval_acc']:.4f}  lr {record['lr']:.1e}  {record['s_per_step']:.3f} s/step",
+                    flush=True,
+                )
+                for event in history["events"][n_events:]:
+                    print(f"event: {event}", flush=True)
+        if checkpoint_every and (state.step % checkpoint_every == 0 or state.step == steps or state.solved):
+            _save_checkpoint(out_dir, model, optimizer, generator, state, history, keep_checkpoints)
+            _write_history(out_dir, history, state)
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    saved = {"state_dict": model.state_dict(), "cfg": induction_model_config(task), "task": asdict(task)}
+    torch.save(saved, out_dir / ".model.pt.tmp")
+    os.replace(out_dir / ".model.pt.tmp", out_dir / "model.pt")
+    _write_history(out_dir, history, state)
+    return model, history
+
+
+def _write_history(out_dir: Path, history: dict[str, Any], state: _State) -> None:
+    """history.json: config, records (per eval: step, train loss/acc since the last eval, eval_loss,
+    eval_acc, the lr those steps used, s_per_step), events (lr raises, solved), steps, solved."""
+    text = json.dumps({**history, "steps": state.step, "solved": state.solved}, indent=1)
+    _write_atomic(out_dir / "history.json", text)
+
+
+@torch.no_grad()
+def _evaluate(
+    model: HookedTransformer,
+    held_out: InductionBatch,
+    state: _State,
+    optimizer: torch.optim.Optimizer,
+    started: float,
+    start_step: int,
+) -> dict[str, float]:
+    logits = final_logits(model, held_out.tokens)
+    record = {
+        "step": state.step,
+        "loss": state.loss_sum / state.n_sum,
+        "acc": state.acc_sum / state.n_sum,
+        "eval_loss": float(F.cross_entropy(logits, held_out.labels)),
+        "eval_acc": float((logits.argmax(-1) == held_out.labels).float().mean()),
+        "lr": optimizer.param_groups[0]["lr"],
+        "s_per_step": (time.perf_counter() - started) / max(state.step - start_step, 1),
+    }
+    state.loss_sum = state.acc_sum = 0.0
+    state.n_sum = 0
+    return record
+
+
+def _update_plateau(
+    record: dict[str, float],
+    state: _State,
+    optimizer: torch.optim.Optimizer,
+    plateau: Plateau | None,
+    events: list[dict[str, Any]],
+) -> None:
+    acc = record["eval_acc"]
+    if plateau is None:
+        return
+    if acc > state.best_acc + plateau.margin:
+        state.best_acc, state.best_step = acc, state.step
+        return
+    stuck = state.step - state.best_step >= plateau.window
+    if stuck and acc < plateau.below and state.raises < plateau.max_raises:
+        old = optimizer.param_groups[0]["lr"]
+        for group in optimizer.param_groups:
+            group["lr"] = old * plateau.factor
+        events.append(
+            {
+                "step": state.step,
+                "kind": "plateau_lr_raised",
+                "eval_acc": acc,
+                "best_acc": state.best_acc,
+                "best_step": state.best_step,
+                "lr_from": old,
+                "lr_to": old * plateau.factor,
+            }
+        )
+        state.raises += 1
+        state.best_step = state.step  # a further raise waits another whole window
+
+
+# -- checkpoints and loading -------------------------------------------------------------------------
+def latest_checkpoint(out_dir: str | Path) -> Path | None:
+    """The newest whole checkpoint under out_dir/checkpoints (named by its ``latest`` file), or None."""
+    pointer = Path(out_dir) / "checkpoints" / "latest"
+    if not pointer.is_file():
+        return None
+    path = pointer.parent / pointer.read_text().strip()
+    return path if path.is_dir() else None
+
+
+def _save_checkpoint(
+    out_dir: Path,
+    model: HookedTransformer,
+    optimizer: torch.optim.Optimizer,
+    generator: torch.Generator,
+    state: _State,
+    history: dict[str, Any],
+    keep: int,
+) -> Path:
+    """Written to a temporary folder and renamed; on any failure the previous one stays ``latest``."""
+    root = out_dir / "checkpoints"
+    final, tmp = root / f"step_{state.step:09d}", root / f".tmp-step_{state.step:09d}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        torch.save(
+            {
+                "model": model.state_dict(),
+                "optimizer": optimizer.state_dict(),
+                "generator": generator.get_state(),
+                "state": asdict(state),
+                "history": history,
+                "config": history["config"],
+            },
+            tmp / "state.pt",
+        )
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        _write_atomic(root / "latest", final.name)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    for old in sorted(root.glob("step_*"))[: -max(keep, 1)]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def load_induction_model(path: str | Path) -> HookedTransformer:
+    """The model saved by ``train_induction_model``: ``path`` is its model.pt or the folder holding it."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "model.pt"
+    if not path.is_file():
+        raise FileNotFoundError(f"no induction model at {path}: train one with train_induction_model")
+    saved = torch.load(path, weights_only=True)
+    model = _build(saved["cfg"])
+    model.load_state_dict(saved["state_dict"])
+    model.pos_embed.W_pos.requires_grad_(False)
+    return model

@@ -1,0 +1,241 @@
+"""The toy induction task, its model (checked against a hand-written forward pass) and its trainer."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from mxd_lens.spd.induction import (
+    InductionTask,
+    Plateau,
+    accuracy,
+    attention_to_memorised_token,
+    final_logits,
+    induction_model,
+    latest_checkpoint,
+    load_induction_model,
+    sinusoidal_positions,
+    train_induction_model,
+)
+
+TASK = InductionTask()
+SMALL = dict(batch_size=16, eval_size=32, progress=False)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """The CPUs are shared: OpenMP threads that spin-wait for a busy core make tiny steps 100x slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_task_ids() -> None:
+    assert (TASK.bos, TASK.induction_token, TASK.d_vocab, TASK.seq_len) == (0, 129, 130, 64)
+
+
+def test_sample_invariants() -> None:
+    batch = TASK.sample_batch(512, torch.Generator().manual_seed(0))
+    tokens, labels, s1 = batch
+    assert tokens.shape == (512, 64) and labels.shape == (512,) and s1.shape == (512,)
+    assert tokens.dtype == labels.dtype == torch.long
+    assert (tokens[:, 0] == 0).all() and (tokens[:, -1] == 129).all()
+    body = tokens[:, 1:-1]
+    assert ((body >= 1) & (body <= 129)).all()
+    # Exactly one S before the final position, at s1, and the label right after it (before the end).
+    is_s = tokens[:, :-1] == 129
+    assert (is_s.sum(1) == 1).all()
+    assert (is_s.float().argmax(1) == s1).all()
+    assert ((s1 >= 1) & (batch.m <= 62)).all() and batch.s2 == 63
+    assert (tokens[torch.arange(512), batch.m] == labels).all()
+    assert ((labels >= 1) & (labels <= 128)).all()
+    assert set(s1.tolist()) == set(range(1, 62))  # every allowed position is drawn
+
+
+def test_sample_reproducible() -> None:
+    a = TASK.sample_batch(8, torch.Generator().manual_seed(3))
+    b = TASK.sample(8, torch.Generator().manual_seed(3))
+    c = TASK.sample(8, torch.Generator().manual_seed(4))
+    assert torch.equal(a.tokens, b[0]) and torch.equal(a.labels, b[1])
+    assert not torch.equal(a.tokens, c[0])
+
+
+def test_bad_inputs(tmp_path) -> None:
+    with pytest.raises(ValueError, match="seq_len=3"):
+        InductionTask(seq_len=3)
+    with pytest.raises(ValueError, match="n_base_tokens=1"):
+        InductionTask(n_base_tokens=1)
+    with pytest.raises(ValueError, match="batch=0"):
+        TASK.sample(0, torch.Generator())
+    with pytest.raises(TypeError, match="torch.Generator"):
+        TASK.sample(2, 0)
+    with pytest.raises(ValueError, match="window"):
+        Plateau(window=0)
+    with pytest.raises(ValueError, match="batch_size=0"):
+        train_induction_model(tmp_path, steps=1, batch_size=0)
+    with pytest.raises(FileNotFoundError, match="no induction model"):
+        load_induction_model(tmp_path)
+    model = induction_model(0)
+    tokens, labels = TASK.sample(4, torch.Generator())
+    with pytest.raises(ValueError, match="planted"):
+        attention_to_memorised_token(model, tokens, labels[:2])
+    with pytest.raises(ValueError, match="labels"):
+        accuracy(model, tokens, labels[:3])
+
+
+def test_model_shape_and_frozen_sinusoidal_positions() -> None:
+    model = induction_model(0)
+    cfg = model.cfg
+    assert (cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.d_head, cfg.d_vocab, cfg.n_ctx) == (
+        2,
+        16,
+        1,
+        16,
+        130,
+        64,
+    )
+    assert cfg.attn_only and cfg.normalization_type is None and cfg.positional_embedding_type == "shortformer"
+    assert not model.pos_embed.W_pos.requires_grad
+    assert torch.equal(model.pos_embed.W_pos, sinusoidal_positions(64, 16))
+    assert torch.allclose(
+        model.pos_embed.W_pos[3, :2],
+        torch.tensor([torch.sin(torch.tensor(3.0)), torch.cos(torch.tensor(3.0))]),
+    )
+    state = torch.random.get_rng_state()
+    again = induction_model(0)
+    assert torch.equal(torch.random.get_rng_state(), state)  # the global RNG is untouched
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), again.parameters(), strict=True))
+    assert not torch.equal(induction_model(1).embed.W_E, model.embed.W_E)
+
+
+def _reference_logits(model, tokens: torch.Tensor) -> torch.Tensor:
+    """Independent forward pass: positions enter queries and keys only, no LayerNorm, no MLP."""
+    T = tokens.shape[1]
+    resid = model.embed.W_E[tokens]
+    pos = model.pos_embed.W_pos[:T]
+    causal = torch.ones(T, T, dtype=torch.bool).tril()
+    for block in model.blocks:
+        a = block.attn
+        q = (resid + pos) @ a.W_Q[0] + a.b_Q[0]
+        k = (resid + pos) @ a.W_K[0] + a.b_K[0]
+        v = resid @ a.W_V[0] + a.b_V[0]
+        scores = (q @ k.transpose(-1, -2) / a.cfg.d_head**0.5).masked_fill(~causal, float("-inf"))
+        resid = resid + scores.softmax(-1) @ v @ a.W_O[0] + a.b_O
+    return resid @ model.unembed.W_U + model.unembed.b_U
+
+
+def test_model_matches_reference_forward() -> None:
+    model = induction_model(0)
+    with torch.no_grad():  # make the position code matter: larger than TL's init scale
+        model.pos_embed.W_pos.mul_(3.0)
+    tokens, _ = TASK.sample(4, torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = _reference_logits(model, tokens)
+        torch.testing.assert_close(model(tokens), expected, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(final_logits(model, tokens), expected[:, -1], rtol=1e-4, atol=1e-5)
+
+
+def test_attention_to_memorised_token_reads_the_right_entries() -> None:
+    model = induction_model(0)
+    batch = TASK.sample_batch(6, torch.Generator().manual_seed(1))
+    _, cache = model.run_with_cache(batch.tokens)
+    rows = torch.arange(6)
+    want1 = cache["pattern", 1][rows, 0, -1, batch.m].mean()
+    want0 = cache["pattern", 0][rows, 0, batch.m, batch.s1].mean()
+    stats = attention_to_memorised_token(model, batch.tokens, batch.s1)
+    assert stats["layer1_s2_to_m"] == pytest.approx(float(want1))
+    assert stats["layer0_m_to_s1"] == pytest.approx(float(want0))
+
+
+def test_training_decreases_loss_and_saves(tmp_path) -> None:
+    small_task = InductionTask(n_base_tokens=8, seq_len=8)  # learns in tens of steps
+    model, history = train_induction_model(
+        tmp_path,
+        steps=40,
+        lr=1e-2,
+        task=small_task,
+        plateau=None,
+        eval_every=10,
+        checkpoint_every=0,
+        batch_size=64,
+        eval_size=256,
+        progress=False,
+    )
+    records = history["records"]
+    assert [r["step"] for r in records] == [10, 20, 30, 40]
+    assert records[-1]["eval_loss"] < records[0]["eval_loss"] - 0.2
+    assert records[-1]["loss"] < records[0]["loss"] - 0.2
+    saved = json.loads((tmp_path / "history.json").read_text())
+    assert saved["steps"] == 40 and not saved["solved"] and len(saved["records"]) == 4
+    loaded = load_induction_model(tmp_path)
+    assert not loaded.pos_embed.W_pos.requires_grad and loaded.cfg.d_vocab == 10
+    for (name, p), q in zip(model.state_dict().items(), loaded.state_dict().values(), strict=True):
+        assert torch.equal(p, q), name
+
+
+def test_training_stops_when_solved(tmp_path) -> None:
+    _, history = train_induction_model(
+        tmp_path,
+        steps=200,
+        lr=3e-2,
+        task=InductionTask(n_base_tokens=8, seq_len=8),
+        plateau=None,
+        eval_every=10,
+        checkpoint_every=0,
+        batch_size=64,
+        eval_size=256,
+        progress=False,
+    )
+    solved = history["events"][-1]
+    assert solved["kind"] == "solved" and solved["eval_acc"] >= 0.995
+    assert history["records"][-1]["step"] == solved["step"] < 200
+    # A stricter target on resume trains on from there (a reached target stops at once).
+    kwargs = dict(
+        lr=3e-2,
+        task=InductionTask(n_base_tokens=8, seq_len=8),
+        plateau=None,
+        eval_every=10,
+        checkpoint_every=10,
+        batch_size=64,
+        eval_size=256,
+        progress=False,
+    )
+    train_induction_model(tmp_path / "b", steps=solved["step"], **kwargs)
+    _, more = train_induction_model(tmp_path / "b", steps=solved["step"] + 20, target_accuracy=1.0, **kwargs)
+    assert more["records"][-1]["step"] > solved["step"] and more["config"]["target_accuracy"] == 1.0
+
+
+def test_plateau_raises_lr_once(tmp_path) -> None:
+    plateau = Plateau(window=2, margin=0.5, below=1.01, factor=3.0, max_raises=1)
+    _, history = train_induction_model(
+        tmp_path, steps=6, plateau=plateau, eval_every=1, checkpoint_every=0, **SMALL
+    )
+    (event,) = history["events"]
+    assert (
+        event["kind"] == "plateau_lr_raised" and event["step"] == 3 and event["lr_to"] == pytest.approx(3e-3)
+    )
+    assert [r["lr"] for r in history["records"]] == pytest.approx([1e-3] * 3 + [3e-3] * 3)
+
+
+def test_resume_matches_uninterrupted_run(tmp_path) -> None:
+    kwargs = dict(
+        plateau=Plateau(window=4, margin=0.5, below=1.01), eval_every=1, checkpoint_every=2, **SMALL
+    )
+    straight, history = train_induction_model(tmp_path / "a", steps=7, **kwargs)
+    train_induction_model(tmp_path / "b", steps=3, **kwargs)  # "killed" after step 3
+    assert latest_checkpoint(tmp_path / "b").name == "step_000000003"
+    resumed, history_b = train_induction_model(tmp_path / "b", steps=7, **kwargs)
+    for (name, p), q in zip(straight.state_dict().items(), resumed.state_dict().values(), strict=True):
+        assert torch.equal(p, q), name
+    assert history_b["events"] == history["events"] and history["events"][0]["step"] == 5
+
+    def strip(records):
+        return [{k: v for k, v in r.items() if k != "s_per_step"} for r in records]
+
+    assert strip(history_b["records"]) == strip(history["records"])
+    with pytest.raises(ValueError, match="other settings"):
+        train_induction_model(tmp_path / "b", steps=8, **{**kwargs, "lr": 2e-3})
+    assert len(list((tmp_path / "b" / "checkpoints").glob("step_*"))) == 2
