@@ -1,0 +1,52 @@
+"""Stochastic Parameter Decomposition (SPD) of TransformerLens models' weights (see docs/spd.md).
+
+from mxd_lens.spd import SPDConfig, SPDTrainer
+trainer = SPDTrainer(model, ["blocks.0.attn.W_Q", "blocks.0.attn.W_K"], batches, SPDConfig(C=32), "runs/spd")
+metrics = trainer.fit()
+ci = trainer.decomposition.causal_importance(model, tokens)   # {name: (g, g_upper)}
+"""
+
+from mxd_lens.spd.ci import CI_TYPES, lower_leaky_hard_sigmoid, upper_leaky_hard_sigmoid
+from mxd_lens.spd.components import Components, Decomposition
+from mxd_lens.spd.losses import (
+    MaskedRun,
+    ci_masked_recon_loss,
+    faithfulness_loss,
+    importance_minimality_loss,
+    kl_divergence,
+    layerwise_recon_loss,
+    masked_logits,
+    reconstruction_losses,
+    stochastic_masks,
+    stochastic_recon_loss,
+    subset_recon_loss,
+    subset_routing,
+)
+from mxd_lens.spd.sites import Site, decomposable_weights
+from mxd_lens.spd.train import SPDConfig, SPDTrainer, ci_l0, evaluate
+
+__all__ = [
+    "CI_TYPES",
+    "Components",
+    "Decomposition",
+    "MaskedRun",
+    "SPDConfig",
+    "SPDTrainer",
+    "Site",
+    "ci_l0",
+    "ci_masked_recon_loss",
+    "decomposable_weights",
+    "evaluate",
+    "faithfulness_loss",
+    "importance_minimality_loss",
+    "kl_divergence",
+    "layerwise_recon_loss",
+    "lower_leaky_hard_sigmoid",
+    "masked_logits",
+    "reconstruction_losses",
+    "stochastic_masks",
+    "stochastic_recon_loss",
+    "subset_recon_loss",
+    "subset_routing",
+    "upper_leaky_hard_sigmoid",
+]
