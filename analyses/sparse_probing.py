@@ -36,6 +36,26 @@ def find_layers(paths: list[str]) -> dict[str, object]:
     return found
 
 
+def paired_comparisons(table, labels: dict[str, str]):
+    """MxD against each other method at the same K: paired differences per k."""
+    import pandas as pd
+
+    by_key = {label: source for source, label in labels.items()}
+    frames = []
+    for label, source in by_key.items():
+        method, K = label.rsplit(" K=", 1)
+        if method != "MxD":
+            continue
+        for other in ("Transcoder", "Skip transcoder"):
+            if f"{other} K={K}" in by_key:
+                frame = probing.paired_difference(table, source, by_key[f"{other} K={K}"])
+                frames.append(frame.assign(K=int(K), comparison=f"MxD - {other}"))
+    if not frames:
+        return pd.DataFrame()
+    cols = ["K", "comparison", "k", "mean_difference", "se", "a_wins", "b_wins", "tasks"]
+    return pd.concat(frames)[cols].sort_values(["K", "comparison", "k"])
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -87,7 +107,12 @@ def main(argv: list[str] | None = None) -> int:
     (out / "probing.json").write_text(json.dumps(record, indent=1))
     probing.plot_probing(table, labels, out / "probing.png")
     print(summary.round(3).to_markdown())
-    print(f"\nwrote {out}/probing.csv, summary.csv, probing.json, probing.png")
+    pairs = paired_comparisons(table, labels)
+    if len(pairs):
+        pairs.to_csv(out / "paired.csv", index=False)
+        print("\nPaired differences in test accuracy (same task), mean over tasks:")
+        print(pairs.round(3).to_markdown(index=False))
+    print(f"\nwrote {out}/probing.csv, summary.csv, paired.csv, probing.json, probing.png")
     return 0
 
 

@@ -163,3 +163,38 @@ def test_bad_input(tmp_path, text_model):
     task_set = jsonl_task_set(path, ["cat", "dog"], per_class=6)
     with pytest.raises(ValueError, match="k=17"):
         probing.run_probing(text_model, [task_set], {"tc": layer}, ks=[17], context_size=12, progress=False)
+
+
+def test_summarize_means_and_standard_errors():
+    import pandas as pd
+
+    table = pd.DataFrame(
+        {
+            "task": ["a", "b", "c", "a", "b", "c"],
+            "source": ["x"] * 3 + ["d"] * 3,
+            "k": [1, 1, 1, "all", "all", "all"],
+            "test_accuracy": [0.5, 0.7, 0.9, 1.0, 0.8, 0.9],
+        }
+    )
+    out = probing.summarize(table)
+    assert out.loc["x", "k=1"] == pytest.approx(0.7) and out.loc["d", "k=all"] == pytest.approx(0.9)
+    assert out.loc["x", "se k=1"] == pytest.approx(np.std([0.5, 0.7, 0.9], ddof=1) / 3**0.5)
+    assert out.loc["x", "tasks"] == 3 and np.isnan(out.loc["x", "k=all"])
+
+
+def test_paired_difference_against_a_hand_count():
+    import pandas as pd
+
+    table = pd.DataFrame(
+        {
+            "task": ["a", "b", "c"] * 2,
+            "source": ["x"] * 3 + ["y"] * 3,
+            "k": [1] * 6,
+            "test_accuracy": [0.6, 0.7, 0.9, 0.5, 0.8, 0.7],
+        }
+    )
+    out = probing.paired_difference(table, "x", "y").iloc[0]
+    diffs = [0.1, -0.1, 0.2]
+    assert out.mean_difference == pytest.approx(np.mean(diffs))
+    assert out.se == pytest.approx(np.std(diffs, ddof=1) / 3**0.5)
+    assert (out.a_wins, out.b_wins, out.tasks) == (2, 1, 3)

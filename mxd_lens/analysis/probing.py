@@ -334,16 +334,43 @@ def layer_label(layer: MLPReplacement) -> str:
 
 
 def summarize(table: pd.DataFrame) -> pd.DataFrame:
-    """Mean test accuracy over tasks per (source, k), one column per k (the dense ceiling under 'all')."""
-    out = table.pivot_table(index="source", columns="k", values="test_accuracy", aggfunc="mean")
-    out.columns = [f"k={c}" for c in out.columns]
+    """Mean test accuracy over tasks per (source, k), one column per k (the dense ceiling under 'all'),
+    each with its standard error over tasks (``se k=...``)."""
+    import pandas as pd
+
+    grouped = table.groupby(["source", "k"])["test_accuracy"]
+    mean = grouped.mean().unstack("k")
+    se = (grouped.std(ddof=1) / grouped.count() ** 0.5).unstack("k")
+    columns = sorted(mean.columns, key=lambda c: (c == "all", str(c)))
+    out = pd.concat({**{f"k={c}": mean[c] for c in columns}, **{f"se k={c}": se[c] for c in columns}}, axis=1)
     out["tasks"] = table.groupby("source")["task"].nunique()
     return out
 
 
+def paired_difference(table: pd.DataFrame, a: str, b: str) -> pd.DataFrame:
+    """Per k: the mean over tasks of (accuracy of source ``a`` − of ``b``) on the same task, its
+    standard error and the number of tasks each side wins: a paired comparison, tighter than the
+    difference of two means since tasks vary far more than methods do."""
+    import pandas as pd
+
+    rows = []
+    for k in sorted(set(table.k) - {"all"}, key=str):
+        pair = [
+            table[(table.source == s) & (table.k == k)].set_index("task")["test_accuracy"] for s in (a, b)
+        ]
+        diff = (pair[0] - pair[1]).dropna()
+        if len(diff) < 2:
+            raise ValueError(f"{a!r} and {b!r} share fewer than 2 tasks at k={k}")
+        rows.append(
+            {"k": k, "mean_difference": diff.mean(), "se": diff.std(ddof=1) / len(diff) ** 0.5,
+             "a_wins": int((diff > 0).sum()), "b_wins": int((diff < 0).sum()), "tasks": len(diff)}
+        )  # fmt: skip
+    return pd.DataFrame(rows)
+
+
 def plot_probing(table: pd.DataFrame, labels: Mapping[str, str], path: str | Path) -> None:
-    """Mean test accuracy against k per layer (one panel per layer K, methods as lines), the dense
-    MLP input/output probes as horizontal lines."""
+    """Mean test accuracy against k per layer (one panel per layer K, methods as lines, bars: standard
+    error over tasks), the dense MLP input/output probes as horizontal lines."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -357,9 +384,13 @@ def plot_probing(table: pd.DataFrame, labels: Mapping[str, str], path: str | Pat
     Ks = sorted(sparse.K.unique())
     fig, axes = plt.subplots(1, len(Ks), figsize=(4.2 * len(Ks), 3.8), sharey=True, squeeze=False)
     for ax, K in zip(axes[0], Ks, strict=True):
-        group = sparse[sparse.K == K].groupby(["method", "k"])["test_accuracy"].mean().reset_index()
-        for method, rows in group.groupby("method"):
-            ax.plot(rows.k.astype(int), rows.test_accuracy, marker="o", label=method)
+        stats = sparse[sparse.K == K].groupby(["method", "k"])["test_accuracy"]
+        group = stats.mean().rename("mean").to_frame()
+        group["se"] = stats.std(ddof=1) / stats.count() ** 0.5
+        for method, rows in group.reset_index().groupby("method"):
+            ax.errorbar(
+                rows.k.astype(int), rows["mean"], yerr=rows["se"], marker="o", capsize=3, label=method
+            )
         for (source, acc), style in zip(dense.items(), ("--", ":", "-.", "--"), strict=False):
             ax.axhline(acc, color="gray", linestyle=style, label=f"dense {source} (all dims)")
         ax.set_title(f"K = {K}")
