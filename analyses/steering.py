@@ -1,12 +1,14 @@
 """Steer with the top feature of several probing tasks, for each layer type, and score each generation
-offline: concept strength = the task's dense probe (clean model, MLP input of the layer's block,
-pooled over the generated tokens), fluency = the clean model's perplexity of the generated tokens.
+offline: concept strength = a dense probe for the task's class against every other text of the suite
+(clean model, MLP input of the layer's block, pooled over the generated tokens), fluency = the clean
+model's perplexity of the generated tokens.
 
     python analyses/steering.py --layers results/frontier-smollm2-l15-long/runs/final --k 32 \
         --data ../shared/data/probing --per-class 100 --probing results/probing/pooled --out results/steering
 
 For each task and layer: the feature ranked first on the task's training split (as in sparse
-probing), its largest activation on the task's positive training texts (the unit of alpha), and
+probing), its largest activation on the task's positive training texts, each read as in probing (BOS + the
+first 127 tokens): the unit of alpha, and
 generations from "Let's talk about" at alpha = multiple x that unit (add mode, error term on, so
 multiple 0 is the clean model). Writes OUT/steering.csv, .json and steering.png.
 """
@@ -19,10 +21,12 @@ import shlex
 import sys
 from pathlib import Path
 
+import numpy as np
+import torch
+
 from mxd_lens import hooks
 from mxd_lens.analysis import probing, steering, tasks
 from mxd_lens.analysis.inspect import top_activations
-from mxd_lens.data import TokenRows
 from mxd_lens.layers.io import load_layer
 from mxd_lens.models import DEFAULT_MODEL, load_model
 
@@ -50,13 +54,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--probing", default=None, help="a PooledCache folder to reuse (probing's OUT/pooled)"
     )
-    parser.add_argument("--multiples", type=float, nargs="+", default=[0, 0.5, 1, 2, 4, 8])
+    parser.add_argument("--multiples", type=float, nargs="+", default=[0, 2, 8, 32, 128])
     parser.add_argument("--samples", type=int, default=10, help="generations per setting (default 10)")
     parser.add_argument("--new-tokens", type=int, default=32, help="tokens per generation (default 32)")
     parser.add_argument("--prompt", default=steering.NEUTRAL_PROMPT)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (1 when the CPU is shared)")
     parser.add_argument("--out", default="results/steering", help="output folder (default results/steering)")
     args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     layers = {}
     for folder in sorted(p.parent for p in Path(args.layers).glob("*/cfg.json")):
@@ -69,6 +76,11 @@ def main(argv: list[str] | None = None) -> int:
     sets = {s.name: s for s in tasks.offline_suite(args.per_class)}
     store = probing.PooledCache(args.probing or Path(args.out) / "pooled")
     blocks = sorted({hooks.layer_index(layer) for layer in layers.values()})
+    # pooled MLP inputs of every suite text (cached by sparse probing): the concept probes' negatives
+    dense_all = {}
+    for name, task_set in sets.items():
+        examples = task_set.load(args.data)
+        dense_all[name] = (examples, store.get(model, examples, {}, blocks))
     targets = []
     for task in args.tasks:
         set_name, positive = task.split("/", 1)
@@ -80,12 +92,19 @@ def main(argv: list[str] | None = None) -> int:
         pooled = store.get(model, examples, layers, blocks)
         parts, y = probing.task_splits(examples, seed=0)[task]
         positives = [examples.texts[i] for i in parts["train"] if y[i]]
+        concept = {}
+        for block in blocks:
+            key = f"mlp_in.L{block}"
+            pos = pooled[key].numpy()[y == 1]
+            neg = [dense_all[n][1][key].numpy() for n in sets if n != set_name]
+            neg.append(pooled[key].numpy()[y == 0])
+            concept[block] = steering.concept_probe(pos, np.concatenate(neg))
+            print(f"{task}: concept probe (vs all other suite texts) test accuracy {concept[block][1]:.3f}")
         for name, layer in layers.items():
             block = hooks.layer_index(layer)
-            dense = probing.probe_task(pooled[f"mlp_in.L{block}"].numpy(), y, parts, k=None)
             chosen = probing.probe_task(pooled[name].numpy(), y, parts, k=1)
             feature = chosen["features"][0]
-            rows = TokenRows.for_model(model, 128).batches(positives, 8)
+            rows = (torch.tensor([ids]) for ids in probing.tokenize_texts(model, positives, 128))
             scale = float(
                 top_activations(model, layer, rows, [feature], n=1, progress=False).activation.max()
             )
@@ -96,10 +115,10 @@ def main(argv: list[str] | None = None) -> int:
                     "name": name,
                     "feature": feature,
                     "probe_k1_accuracy": chosen["test_accuracy"],
-                    "dense_probe_accuracy": dense["test_accuracy"],
+                    "concept_probe_accuracy": concept[block][1],
                     "scale": scale,
                     "layer": layer,
-                    "scorers": [steering.ProbeScorer(model, dense["probe"], block, name="concept")],
+                    "scorers": [steering.ProbeScorer(model, concept[block][0], block, name="concept")],
                 }
             )
             print(

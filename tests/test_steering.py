@@ -129,3 +129,18 @@ def test_encode_decode_in_inference_mode_respects_in_place_edits(tokens):
         edited = layer.decode(codes)
     ref = codes.clone()
     torch.testing.assert_close(edited, dense_output(layer, x, ref), atol=1e-5, rtol=1e-4)
+
+
+def test_concept_probe_separates_a_planted_direction():
+    rng = np.random.default_rng(0)
+    negative = rng.normal(size=(200, 8))
+    positive = rng.normal(size=(100, 8))
+    positive[:, 3] += 5.0
+    probe, accuracy = steering.concept_probe(positive, negative)
+    assert accuracy >= 0.9
+    fresh = rng.normal(size=(50, 8))
+    assert probe.predict_proba(fresh)[:, 1].mean() < 0.2
+    fresh[:, 3] += 5.0
+    assert probe.predict_proba(fresh)[:, 1].mean() > 0.8
+    with pytest.raises(ValueError, match="at least 5"):
+        steering.concept_probe(positive[:3], negative)

@@ -204,20 +204,29 @@ def fit_probe(
     X_val: np.ndarray,
     y_val: np.ndarray,
     Cs: Sequence[float] = DEFAULT_CS,
+    criterion: str = "accuracy",
 ) -> tuple[Any, float]:
-    """Standardised logistic regression, its inverse L2 strength C chosen by validation accuracy
-    (ties: the smallest C, i.e. the strongest regularisation). Returns (fitted pipeline, C)."""
+    """Standardised logistic regression, its inverse L2 strength C chosen on the validation split by
+    accuracy (ties: the smallest C, i.e. the strongest regularisation) or by log-loss (``criterion=
+    "log_loss"``: calibrated probabilities, for probes whose P(class) is read as a score). Returns
+    (fitted pipeline, C)."""
     from sklearn.linear_model import LogisticRegression
+    from sklearn.metrics import log_loss
     from sklearn.pipeline import make_pipeline
     from sklearn.preprocessing import StandardScaler
 
-    best, best_acc, best_C = None, -1.0, Cs[0]
+    if criterion not in ("accuracy", "log_loss"):
+        raise ValueError(f"criterion={criterion!r}: choose 'accuracy' or 'log_loss'")
+    best, best_score, best_C = None, -np.inf, Cs[0]
     for C in sorted(Cs):
         probe = make_pipeline(StandardScaler(), LogisticRegression(C=C, max_iter=2000))
         probe.fit(X_train, y_train)
-        acc = float((probe.predict(X_val) == y_val).mean())
-        if acc > best_acc:
-            best, best_acc, best_C = probe, acc, C
+        if criterion == "accuracy":
+            score = float((probe.predict(X_val) == y_val).mean())
+        else:
+            score = -log_loss(y_val, probe.predict_proba(X_val)[:, 1], labels=[0, 1])
+        if score > best_score:
+            best, best_score, best_C = probe, score, C
     return best, best_C
 
 
@@ -227,9 +236,10 @@ def probe_task(
     parts: Mapping[str, Sequence[int]],
     k: int | None,
     Cs: Sequence[float] = DEFAULT_CS,
+    criterion: str = "accuracy",
 ) -> dict[str, Any]:
     """Train-only feature selection then a probe; ``parts`` maps train/val/test to row indices of X.
-    ``k=None`` uses every feature (the dense ceiling)."""
+    ``k=None`` uses every feature (the dense ceiling); ``criterion`` as in ``fit_probe``."""
     n_features = X.shape[1]
     if k is not None and not 1 <= k <= n_features:
         raise ValueError(f"k={k} must be between 1 and the number of features ({n_features})")
@@ -238,7 +248,7 @@ def probe_task(
         features = np.arange(n_features)
     else:
         features = rank_features(X[tr], y[tr])[:k]
-    probe, C = fit_probe(X[tr][:, features], y[tr], X[va][:, features], y[va], Cs)
+    probe, C = fit_probe(X[tr][:, features], y[tr], X[va][:, features], y[va], Cs, criterion)
     acc = lambda rows: float((probe.predict(X[rows][:, features]) == y[rows]).mean())  # noqa: E731
     return {
         "test_accuracy": acc(te),
@@ -304,7 +314,8 @@ def run_probing(
             pooled = pooled_activations(
                 model, layers, examples.texts, dense_layers, context_size, batch_size, progress
             )
-        for task, (parts, y) in task_parts.items():
+        bar = tqdm(task_parts.items(), desc=f"probes {task_set.name}", unit="task", disable=not progress)
+        for task, (parts, y) in bar:
             for source, X in pooled.items():
                 X = X.numpy()
                 dense = source.split(".")[0] in DENSE

@@ -175,6 +175,35 @@ class ProbeScorer:
         return self.probe.predict_proba(pooled)[:, 1].tolist()
 
 
+def concept_probe(positive: Any, negative: Any, seed: int = 0) -> tuple[Any, float]:
+    """A probe for "the text carries the concept" against broad other text, from pooled activations
+    [n, d] of concept texts and of anything else: a balanced sample (as many negatives as positives,
+    drawn with ``seed``), a 60/20/20 split, the dense probe of sparse probing with C chosen by
+    validation log-loss (calibrated probabilities). Returns (probe, test
+    accuracy). Task probes are one-vs-rest within one dataset; steering needs one that also says
+    "no" to generic text."""
+    import numpy as np
+
+    from mxd_lens.analysis.probing import probe_task
+
+    positive, negative = np.asarray(positive), np.asarray(negative)
+    rng = np.random.default_rng(seed)
+    n = min(len(positive), len(negative))
+    if n < 5:
+        raise ValueError(
+            f"concept probe needs at least 5 texts on each side, got {len(positive)} and {len(negative)}"
+        )
+    X = np.concatenate(
+        [positive[rng.permutation(len(positive))[:n]], negative[rng.permutation(len(negative))[:n]]]
+    )
+    y = np.array([1] * n + [0] * n)
+    order = rng.permutation(2 * n)
+    cut = [int(0.6 * 2 * n), int(0.8 * 2 * n)]
+    parts = {"train": order[: cut[0]], "val": order[cut[0] : cut[1]], "test": order[cut[1] :]}
+    result = probe_task(X, y, parts, k=None, criterion="log_loss")  # its P(concept) is the score
+    return result["probe"], result["test_accuracy"]
+
+
 @torch.no_grad()
 def max_activation(
     model: HookedTransformer, layer: MLPReplacement, feature: int, token_batches: Sequence[torch.Tensor]
