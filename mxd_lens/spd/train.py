@@ -132,7 +132,9 @@ Batches = Callable[[int], torch.Tensor] | Iterable[torch.Tensor]
 
 class SPDTrainer:
     """Decomposes ``modules`` of ``model`` on ``batches`` (step -> tokens [batch_size, seq], or an
-    iterable of such), writing checkpoints and ``metrics.json`` under ``out_dir``."""
+    iterable of such), writing checkpoints and ``metrics.json`` under ``out_dir``. With a
+    ``mxd_lens.spd.ablation.ResidualModel`` (the model run from a layer) a batch is the cached residual
+    stream [batch_size, seq, d_model] at that layer's input instead."""
 
     def __init__(
         self,
@@ -207,7 +209,7 @@ class SPDTrainer:
                     cfg.mask_type,
                     self.generator,
                     cfg.positions,
-                    cfg.fuse_runs,
+                    cfg.fuse_runs and tokens.ndim == 2,  # fusing repeats [b, p] tokens along the batch
                 )
             )
         p = cfg.p_at(self.step)
@@ -264,10 +266,15 @@ class SPDTrainer:
 
     def _check_batch(self, tokens: torch.Tensor) -> torch.Tensor:
         shape = tuple(tokens.shape)
-        if len(shape) != 2 or shape[0] != self.config.batch_size or tokens.is_floating_point():
+        # A float [batch, positions, d_model] batch is a residual stream, for a model that starts at a
+        # layer (mxd_lens.spd.ablation.ResidualModel); anything else must be integer tokens.
+        residual = tokens.is_floating_point() and len(shape) == 3
+        tokens_ok = len(shape) == 2 and not tokens.is_floating_point()
+        if not (residual or tokens_ok) or shape[0] != self.config.batch_size:
             raise ValueError(
                 f"batch at step {self.step} is a {tokens.dtype} tensor of shape {shape}; expected integer "
-                f"tokens of shape (batch_size={self.config.batch_size}, positions)"
+                f"tokens of shape (batch_size={self.config.batch_size}, positions), or a float residual "
+                "stream (batch_size, positions, d_model) for a model run from a layer"
             )
         return tokens.to(self.device)
 
@@ -389,6 +396,7 @@ def evaluate(
         mask_type,
         generator,
         positions,
+        fuse=tokens.ndim == 2,  # a residual-stream batch [b, p, d_model] runs each term separately
     )
     with decomposition.patched():
         full = decomposition.model(tokens)
