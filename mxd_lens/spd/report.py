@@ -1,0 +1,419 @@
+"""Summaries of an SPD decomposition of the toy induction model (see docs/spd.md, /work/shared/SPD.md).
+
+Positions of an induction sequence fall in four classes: s1 (the planted S), m (= s1 + 1, the token to
+copy), s2 (the final S, where the label is predicted) and "other". The expected circuit (arXiv
+2511.08854): Q0 needs one component at m, K0 and V0 one at s1, Q1 one at s2, K1 one at m, and V1 several
+(11 in the paper; at m, where the layer-1 head reads M's identity; the position is our inference).
+
+```python
+from mxd_lens.spd.report import study_report, plot_ci_by_position
+report = study_report(decomposition, batch)          # batch: InductionTask.sample_batch(512, gen)
+plot_ci_by_position(report, "ci.png", title="token CI, subset loss")
+```
+
+Everything here runs in chunks of sequences (the CI functions' hidden activations grow with
+batch x positions x C x hidden) and returns plain Python numbers and lists (JSON-ready).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from mxd_lens.spd.losses import kl_divergence, reconstruction_losses
+from mxd_lens.spd.train import ci_l0
+
+if TYPE_CHECKING:
+    from mxd_lens.spd.components import Decomposition
+    from mxd_lens.spd.induction import InductionBatch
+
+POSITION_CLASSES = ("s1", "m", "s2", "other")
+# weight name -> (position class, number of components) reported by arXiv 2511.08854 for Q0, K0, V0,
+# Q1, K1; V1's count is the paper's, its position (m) our reading of the circuit.
+EXPECTED_CIRCUIT: dict[str, tuple[str, int]] = {
+    "blocks.0.attn.W_Q": ("m", 1),
+    "blocks.0.attn.W_K": ("s1", 1),
+    "blocks.0.attn.W_V": ("s1", 1),
+    "blocks.1.attn.W_Q": ("s2", 1),
+    "blocks.1.attn.W_K": ("m", 1),
+    "blocks.1.attn.W_V": ("m", 11),
+}
+
+
+def short_name(name: str) -> str:
+    """'blocks.1.attn.W_Q' -> 'Q1' (other names are returned unchanged)."""
+    parts = name.split(".")
+    if len(parts) == 4 and parts[2] == "attn" and parts[3].startswith("W_"):
+        return f"{parts[3][2:]}{parts[1]}"
+    return name
+
+
+def position_classes(s1: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """[b, seq_len] class index per position: 0 = s1, 1 = m = s1 + 1, 2 = s2 = seq_len - 1, 3 = other."""
+    s1 = s1.long()
+    if s1.ndim != 1:
+        raise ValueError(f"s1 must be one position per sequence [b], got shape {tuple(s1.shape)}")
+    if ((s1 < 0) | (s1 + 1 >= seq_len - 1)).any():
+        raise ValueError(f"need 0 <= s1 and s1 + 1 < seq_len - 1 = {seq_len - 1} (m before the final S)")
+    classes = torch.full((s1.numel(), seq_len), 3, dtype=torch.long)
+    rows = torch.arange(s1.numel())
+    classes[rows, s1] = 0
+    classes[rows, s1 + 1] = 1
+    classes[:, -1] = 2
+    return classes
+
+
+def _chunks(n: int, chunk: int) -> list[slice]:
+    if chunk <= 0:
+        raise ValueError(f"chunk={chunk} must be positive")
+    return [slice(i, min(i + chunk, n)) for i in range(0, n, chunk)]
+
+
+@torch.no_grad()
+def causal_importances(
+    decomposition: Decomposition, tokens: torch.Tensor, chunk: int = 64
+) -> dict[str, torch.Tensor]:
+    """{name: g [b, p, C]} (the masks' CI, lower-leaky hard sigmoid), computed ``chunk`` sequences at a
+    time, on the CPU."""
+    parts: dict[str, list[torch.Tensor]] = {name: [] for name in decomposition.names}
+    for rows in _chunks(tokens.shape[0], chunk):
+        ci = decomposition.causal_importance(decomposition.model, tokens[rows])
+        for name, (g, _) in ci.items():
+            parts[name].append(g.float().cpu())
+    return {name: torch.cat(gs) for name, gs in parts.items()}
+
+
+def ci_position_summary(
+    g: torch.Tensor, classes: torch.Tensor, threshold: float = 0.1, n_classes: int = len(POSITION_CLASSES)
+) -> dict[str, Any]:
+    """One module's CI g [b, p, C] by position class (``classes`` [b, p] with values 0..n_classes-1):
+
+    - ``alive``: indices of components with g > threshold at some sequence and position;
+    - ``mean_ci``: [class][component] mean g over that class's positions;
+    - ``active_frac``: [class][component] fraction of that class's positions with g > threshold;
+    - ``l0``: [class] mean number of components with g > threshold at that class's positions (CI-L0).
+    """
+    if g.ndim != 3 or classes.shape != g.shape[:2]:
+        raise ValueError(f"need g [b, p, C] and classes [b, p]; got {tuple(g.shape)}, {tuple(classes.shape)}")
+    flat, labels = g.reshape(-1, g.shape[-1]).float(), classes.reshape(-1).to(g.device)
+    active = flat > threshold
+    mean_ci, active_frac, l0 = [], [], []
+    for k in range(n_classes):
+        rows = labels == k
+        if not rows.any():
+            mean_ci.append([float("nan")] * g.shape[-1])
+            active_frac.append([float("nan")] * g.shape[-1])
+            l0.append(float("nan"))
+            continue
+        mean_ci.append(flat[rows].mean(0).tolist())
+        active_frac.append(active[rows].float().mean(0).tolist())
+        l0.append(float(active[rows].sum(-1).float().mean()))
+    return {
+        "alive": torch.nonzero(active.any(0)).flatten().tolist(),
+        "mean_ci": mean_ci,
+        "active_frac": active_frac,
+        "l0": l0,
+    }
+
+
+@torch.no_grad()
+def masked_run_metrics(
+    decomposition: Decomposition,
+    tokens: torch.Tensor,
+    labels: torch.Tensor,
+    masks: dict[str, torch.Tensor] | None = None,
+    modules: Sequence[str] | None = None,
+    delta: bool = True,
+    chunk: int = 64,
+) -> dict[str, float]:
+    """Accuracy at the final position and KL(clean ‖ masked) there, with ``modules`` (default: all)
+    computed by their components masked by ``masks[name]`` [b, p, C] (missing: ones) and the ΔW term at
+    m_Δ = 1 (``delta=False``: the components alone)."""
+    names = decomposition.names if modules is None else list(modules)
+    masks = {name: masks[name] for name in names if masks and name in masks}
+    correct, kl_sum, n = 0.0, 0.0, tokens.shape[0]
+    saved = decomposition.delta
+    decomposition.delta = delta
+    try:
+        for rows in _chunks(n, chunk):
+            clean = decomposition.model(tokens[rows])
+            with decomposition.patched({name: m[rows] for name, m in masks.items()}, modules=names):
+                logits = decomposition.model(tokens[rows])
+            correct += float((logits[:, -1].argmax(-1) == labels[rows]).float().sum())
+            kl_sum += float(kl_divergence(clean, logits, "last")) * (rows.stop - rows.start)
+    finally:
+        decomposition.delta = saved
+    return {"accuracy": correct / n, "kl": kl_sum / n}
+
+
+@torch.no_grad()
+def loss_metrics(
+    decomposition: Decomposition,
+    tokens: torch.Tensor,
+    positions: str = "last",
+    mask_type: str = "continuous",
+    seed: int = 0,
+    chunk: int = 64,
+) -> dict[str, float]:
+    """Faithfulness, and KL(target ‖ masked) with stochastic masks (one draw per chunk, generator seeded
+    with ``seed``) and with masks = g (ΔW at m_Δ = 1), averaged over sequences; ``positions`` as in
+    training. Also the CI-L0 over all positions (mean over modules) and over the last one (per module)."""
+    generator = torch.Generator().manual_seed(seed)
+    totals = {"kl_stochastic": 0.0, "kl_ci_masked": 0.0}
+    l0_all = {name: 0.0 for name in decomposition.names}
+    n = tokens.shape[0]
+    for rows in _chunks(n, chunk):
+        part = tokens[rows]
+        target, inputs = decomposition.run_clean(decomposition.model, part)
+        ci = decomposition.ci_from_inputs(inputs)
+        kls = reconstruction_losses(
+            decomposition,
+            part,
+            target,
+            ci,
+            ["stochastic_recon", "ci_masked_recon"],
+            mask_type,
+            generator,
+            positions,
+        )
+        weight = (rows.stop - rows.start) / n
+        totals["kl_stochastic"] += float(kls["stochastic_recon"]) * weight
+        totals["kl_ci_masked"] += float(kls["ci_masked_recon"]) * weight
+        for name, (g, _) in ci.items():
+            l0_all[name] += float(ci_l0(g)) * weight
+    return {
+        "faithfulness": float(decomposition.faithfulness_loss()),
+        **totals,
+        "ci_l0_all_positions": l0_all,
+    }
+
+
+def compare_with_expected(modules: dict[str, dict[str, Any]], at_least: float = 0.5) -> dict[str, Any]:
+    """Per module of ``EXPECTED_CIRCUIT`` present in ``modules`` (``study_report``'s per-module
+    summaries): the expected class and count, the CI-L0 there and at the other classes, and
+    ``n_at_expected`` = components whose mean CI at the expected class is >= ``at_least``.
+    ``match`` (for the one-component modules): exactly one such component, CI-L0 at the expected class
+    within 0.5 of 1, and CI-L0 below 0.5 at every other class."""
+    out = {}
+    for name, (where, count) in EXPECTED_CIRCUIT.items():
+        if name not in modules:
+            continue
+        summary = modules[name]
+        k = POSITION_CLASSES.index(where)
+        n_at = sum(1 for c in range(len(summary["mean_ci"][k])) if summary["mean_ci"][k][c] >= at_least)
+        others = {cls: summary["l0"][j] for j, cls in enumerate(POSITION_CLASSES) if j != k}
+        match = None
+        if count == 1:
+            match = bool(n_at == 1 and abs(summary["l0"][k] - 1) <= 0.5 and max(others.values()) < 0.5)
+        out[name] = {
+            "expected_position": where,
+            "expected_components": count,
+            "l0_at_expected": summary["l0"][k],
+            "l0_elsewhere": others,
+            "n_at_expected": n_at,
+            "match": match,
+        }
+    return out
+
+
+@torch.no_grad()
+def study_report(
+    decomposition: Decomposition,
+    batch: InductionBatch,
+    threshold: float = 0.1,
+    positions: str = "last",
+    mask_type: str = "continuous",
+    seed: int = 0,
+    chunk: int = 64,
+) -> dict[str, Any]:
+    """The whole per-variant summary on an evaluation batch (JSON-ready):
+
+    - ``accuracy_clean``; ``accuracy_ci_masked`` / ``kl_ci_masked_last`` (all modules masked by g, ΔW at
+      1), ``..._no_delta`` (components alone, masks g), ``..._binary`` (masks 1[g > threshold], ΔW at 1);
+    - ``per_module_ci_masked``: {name: {accuracy, kl}} with only that module masked by g;
+    - ``losses``: faithfulness, stochastic and CI-masked KL (as in training: ``positions``), CI-L0;
+    - ``modules``: {name: ci_position_summary}, plus ``n_alive``;
+    - ``expected``: compare_with_expected.
+    """
+    tokens, labels = batch.tokens, batch.labels
+    classes = position_classes(batch.s1, tokens.shape[1])
+    g = causal_importances(decomposition, tokens, chunk)
+    modules = {}
+    for name in decomposition.names:
+        summary = ci_position_summary(g[name], classes, threshold)
+        modules[name] = {"short": short_name(name), "n_alive": len(summary["alive"]), **summary}
+    binary = {name: (gi > threshold).float() for name, gi in g.items()}
+    clean = masked_run_metrics(decomposition, tokens, labels, masks=None, modules=[], chunk=chunk)
+    masked = masked_run_metrics(decomposition, tokens, labels, g, chunk=chunk)
+    no_delta = masked_run_metrics(decomposition, tokens, labels, g, delta=False, chunk=chunk)
+    binarised = masked_run_metrics(decomposition, tokens, labels, binary, chunk=chunk)
+    per_module = {
+        name: masked_run_metrics(decomposition, tokens, labels, g, modules=[name], chunk=chunk)
+        for name in decomposition.names
+    }
+    return {
+        "n_sequences": int(tokens.shape[0]),
+        "threshold": threshold,
+        "position_classes": list(POSITION_CLASSES),
+        "accuracy_clean": clean["accuracy"],
+        "accuracy_ci_masked": masked["accuracy"],
+        "kl_ci_masked_last": masked["kl"],
+        "accuracy_ci_masked_no_delta": no_delta["accuracy"],
+        "kl_ci_masked_no_delta_last": no_delta["kl"],
+        "accuracy_ci_binary": binarised["accuracy"],
+        "kl_ci_binary_last": binarised["kl"],
+        "per_module_ci_masked": per_module,
+        "losses": loss_metrics(decomposition, tokens, positions, mask_type, seed, chunk),
+        "modules": modules,
+        "expected": compare_with_expected(modules),
+    }
+
+
+def plot_ci_by_position(
+    report: dict[str, Any], path: str | Path, title: str = "", max_components: int = 12, dpi: int = 110
+) -> Path:
+    """Two panels from a ``study_report``: (a) CI-L0 per module and position class, the expected
+    circuit's cells outlined; (b) mean CI per alive component (rows, grouped by module; at most
+    ``max_components`` per module, those with the largest class mean) and position class."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+    from matplotlib.patches import Rectangle
+
+    classes = report["position_classes"]
+    names = list(report["modules"])
+    shorts = [report["modules"][n]["short"] for n in names]
+    l0 = np.array([report["modules"][n]["l0"] for n in names])
+    rows, labels, bounds, hidden = [], [], [], {}
+    for name in names:
+        summary = report["modules"][name]
+        mean = np.array(summary["mean_ci"])  # [class, C]
+        alive = sorted(summary["alive"], key=lambda c: -np.nanmax(mean[:, c]))
+        for c in alive[:max_components]:
+            rows.append(mean[:, c])
+            labels.append(f"{summary['short']} c{c}")
+        hidden[summary["short"]] = max(0, len(alive) - max_components)
+        bounds.append(len(rows))
+    height = max(4.0, 0.16 * max(len(rows), 1) + 1.5)
+    fig, (ax_l0, ax_ci) = plt.subplots(
+        1, 2, figsize=(10, height), gridspec_kw={"width_ratios": [1, 1]}, constrained_layout=True
+    )
+    vmax = max(1.0, float(np.nanmax(l0)) if l0.size else 1.0)
+    image = ax_l0.imshow(l0, cmap="viridis", vmin=0, vmax=vmax, aspect="auto")
+    for i in range(l0.shape[0]):
+        for j in range(l0.shape[1]):
+            color = "black" if l0[i, j] > 0.6 * vmax else "white"
+            ax_l0.text(j, i, f"{l0[i, j]:.2f}", ha="center", va="center", fontsize=8, color=color)
+    for i, name in enumerate(names):
+        if name in EXPECTED_CIRCUIT:
+            where, count = EXPECTED_CIRCUIT[name]
+            j = classes.index(where)
+            ax_l0.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, ec="red", lw=2))
+            ax_l0.text(j + 0.45, i - 0.45, f"exp {count}", ha="right", va="top", fontsize=6, color="red")
+    ax_l0.set_xticks(range(len(classes)), classes)
+    ax_l0.set_yticks(
+        range(len(names)),
+        [f"{s} ({report['modules'][n]['n_alive']} alive)" for s, n in zip(shorts, names, strict=True)],
+    )
+    ax_l0.set_title(
+        f"(a) CI-L0 (components with g > {report['threshold']:.2g}) per position class", fontsize=9
+    )
+    fig.colorbar(image, ax=ax_l0, shrink=0.6)
+    if rows:
+        ci = ax_ci.imshow(
+            np.array(rows), cmap="magma", vmin=0, vmax=1, aspect="auto", interpolation="nearest"
+        )
+        ax_ci.set_yticks(range(len(labels)), labels, fontsize=6)
+        for bound in bounds[:-1]:
+            ax_ci.axhline(bound - 0.5, color="cyan", lw=1.0)
+        fig.colorbar(ci, ax=ax_ci, shrink=0.6)
+    ax_ci.set_xticks(range(len(classes)), classes)
+    more = ", ".join(f"{s} +{k}" for s, k in hidden.items() if k)
+    ax_ci.set_title(
+        "(b) mean CI of alive components" + (f"\n(not shown: {more})" if more else ""), fontsize=9
+    )
+    if title:
+        fig.suptitle(title, fontsize=10)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+    return path
+
+
+def comparison_table(reports: dict[str, dict[str, Any]]) -> str:
+    """A markdown table, one row per variant (``reports``: {variant: study_report (with an optional
+    ``training`` entry: steps, batch_size, wall_s)}): steps, faithfulness, KLs, accuracies, alive
+    components and CI-L0 at the expected class per module, and how many of the five one-component
+    modules match."""
+    if not reports:
+        return ""
+    names = list(next(iter(reports.values()))["modules"])
+    head = [
+        "variant",
+        "steps",
+        "faithful.",
+        "KL stoch.",
+        "KL CI",
+        "acc CI",
+        "acc CI bin.",
+        *(
+            f"{short_name(n)} alive / L0@{EXPECTED_CIRCUIT[n][0] if n in EXPECTED_CIRCUIT else 's2'}"
+            for n in names
+        ),
+        "match (of 5)",
+    ]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for variant, rep in reports.items():
+        losses = rep["losses"]
+        cells = [
+            variant,
+            str(rep.get("training", {}).get("steps", "")),
+            f"{losses['faithfulness']:.1e}",
+            f"{losses['kl_stochastic']:.3g}",
+            f"{losses['kl_ci_masked']:.3g}",
+            f"{rep['accuracy_ci_masked']:.3f}",
+            f"{rep['accuracy_ci_binary']:.3f}",
+        ]
+        for name in names:
+            where = EXPECTED_CIRCUIT[name][0] if name in EXPECTED_CIRCUIT else "s2"
+            summary = rep["modules"][name]
+            cells.append(f"{summary['n_alive']} / {summary['l0'][POSITION_CLASSES.index(where)]:.2f}")
+        matches = [e["match"] for e in rep["expected"].values() if e["match"] is not None]
+        cells.append(f"{sum(matches)}")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def module_table(report: dict[str, Any]) -> str:
+    """A markdown table of one ``study_report``, one row per module: alive components, CI-L0 at each
+    position class, the expected position and count, components with mean CI >= 0.5 there, and the
+    accuracy / KL at the final position with only that module masked by its CI."""
+    classes = report["position_classes"]
+    head = [
+        "module",
+        "alive",
+        *(f"L0 {c}" for c in classes),
+        "expected",
+        "n ≥ 0.5 there",
+        "acc / KL, only it CI-masked",
+    ]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name, summary in report["modules"].items():
+        expected = report["expected"].get(name)
+        alone = report["per_module_ci_masked"][name]
+        cells = [
+            summary["short"],
+            str(summary["n_alive"]),
+            *(f"{v:.2f}" for v in summary["l0"]),
+            f"{expected['expected_components']} at {expected['expected_position']}" if expected else "–",
+            str(expected["n_at_expected"]) if expected else "–",
+            f"{alone['accuracy']:.3f} / {alone['kl']:.3g}",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)

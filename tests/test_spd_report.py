@@ -1,0 +1,150 @@
+"""mxd_lens.spd.report on a tiny induction model (8 base tokens, 8 positions): position classes,
+per-class CI summaries checked against hand-built CI, masked-model metrics against the plain model,
+chunking, and the report/figure/table end to end."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from mxd_lens.spd import Decomposition, decomposable_weights
+from mxd_lens.spd.induction import InductionTask, accuracy, induction_model
+from mxd_lens.spd.report import (
+    EXPECTED_CIRCUIT,
+    POSITION_CLASSES,
+    causal_importances,
+    ci_position_summary,
+    compare_with_expected,
+    comparison_table,
+    masked_run_metrics,
+    module_table,
+    plot_ci_by_position,
+    position_classes,
+    short_name,
+    study_report,
+)
+
+TASK = InductionTask(n_base_tokens=8, seq_len=8)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def setup():
+    model = induction_model(0, TASK)
+    modules = [name for name in decomposable_weights(model) if ".attn." in name]
+    decomposition = Decomposition(model, modules, C=4, ci="sequence", ci_hidden=4, seed=0)
+    batch = TASK.sample_batch(24, torch.Generator().manual_seed(1))
+    return model, decomposition, batch
+
+
+def test_short_name_and_expected() -> None:
+    assert short_name("blocks.1.attn.W_Q") == "Q1" and short_name("blocks.0.attn.W_O") == "O0"
+    assert short_name("blocks.0.mlp.W_in") == "blocks.0.mlp.W_in"
+    assert {short_name(n): w for n, (w, _) in EXPECTED_CIRCUIT.items()} == {
+        "Q0": "m",
+        "K0": "s1",
+        "V0": "s1",
+        "Q1": "s2",
+        "K1": "m",
+        "V1": "m",
+    }
+
+
+def test_position_classes() -> None:
+    classes = position_classes(torch.tensor([1, 4]), 7)
+    assert classes.tolist() == [[3, 0, 1, 3, 3, 3, 2], [3, 3, 3, 3, 0, 1, 2]]
+    with pytest.raises(ValueError, match="before the final S"):
+        position_classes(torch.tensor([5]), 7)  # m = 6 would be the final position
+
+
+def test_ci_position_summary_by_hand() -> None:
+    classes = position_classes(torch.tensor([1, 2]), 5)  # rows: [o s1 m o s2], [o o s1 m s2]
+    g = torch.zeros(2, 5, 3)
+    g[0, 1, 0] = 1.0  # component 0 at s1 of sequence 0 only
+    g[1, 3, 1] = 0.6  # component 1 at m of sequence 1
+    g[1, 3, 2] = 0.05  # component 2 below the threshold everywhere: not alive
+    g[:, 4, 1] = 0.5  # component 1 at s2 in both
+    s = ci_position_summary(g, classes, threshold=0.1)
+    assert s["alive"] == [0, 1]
+    k = {name: i for i, name in enumerate(POSITION_CLASSES)}
+    assert s["mean_ci"][k["s1"]] == pytest.approx([0.5, 0.0, 0.0])
+    assert s["mean_ci"][k["m"]] == pytest.approx([0.0, 0.3, 0.025])
+    assert s["active_frac"][k["s2"]] == pytest.approx([0.0, 1.0, 0.0])
+    assert s["l0"] == pytest.approx([0.5, 0.5, 1.0, 0.0])  # s1, m, s2, other
+    with pytest.raises(ValueError, match="need g"):
+        ci_position_summary(g, classes[:1])
+
+
+def test_compare_with_expected() -> None:
+    def summary(cls: str, n: int) -> dict:
+        k = POSITION_CLASSES.index(cls)
+        mean = [[0.0] * 16 for _ in POSITION_CLASSES]
+        l0 = [0.0] * 4
+        for c in range(n):
+            mean[k][c] = 0.9
+        l0[k] = float(n)
+        return {"mean_ci": mean, "l0": l0}
+
+    modules = {name: summary(where, n) for name, (where, n) in EXPECTED_CIRCUIT.items()}
+    modules["blocks.0.attn.W_K"] = summary("m", 1)  # at the wrong position
+    out = compare_with_expected(modules)
+    assert out["blocks.0.attn.W_Q"]["match"] is True
+    assert out["blocks.0.attn.W_K"]["match"] is False and out["blocks.0.attn.W_K"]["n_at_expected"] == 0
+    assert out["blocks.1.attn.W_V"]["match"] is None and out["blocks.1.attn.W_V"]["n_at_expected"] == 11
+
+
+def test_masked_metrics_full_masks_are_the_model(setup) -> None:
+    model, decomposition, batch = setup
+    clean = accuracy(model, batch.tokens, batch.labels)
+    ones = {name: torch.ones(*batch.tokens.shape, 4) for name in decomposition.names}
+    full = masked_run_metrics(decomposition, batch.tokens, batch.labels, ones, chunk=5)
+    assert full["accuracy"] == pytest.approx(clean) and full["kl"] == pytest.approx(0.0, abs=1e-6)
+    # Components alone: exact once they are W's SVD (C = 4 < rank: not exact, so use a C = 16 copy).
+    exact = Decomposition(model, decomposition.names, C=16, ci="token", ci_hidden=2).init_from_svd()
+    alone = masked_run_metrics(exact, batch.tokens, batch.labels, None, delta=False, chunk=7)
+    assert alone["accuracy"] == pytest.approx(clean) and alone["kl"] == pytest.approx(0.0, abs=1e-4)
+    # Zero masks on one module change the output; the others untouched.
+    zeros = {"blocks.1.attn.W_V": torch.zeros(*batch.tokens.shape, 4)}
+    hit = masked_run_metrics(decomposition, batch.tokens, batch.labels, zeros, modules=["blocks.1.attn.W_V"])
+    assert hit["kl"] > 1e-4
+
+
+def test_chunking_does_not_change_results(setup) -> None:
+    _, decomposition, batch = setup
+    whole = causal_importances(decomposition, batch.tokens, chunk=100)
+    pieces = causal_importances(decomposition, batch.tokens, chunk=5)
+    for name in decomposition.names:
+        torch.testing.assert_close(whole[name], pieces[name])
+    a = masked_run_metrics(decomposition, batch.tokens, batch.labels, whole, chunk=100)
+    b = masked_run_metrics(decomposition, batch.tokens, batch.labels, whole, chunk=7)
+    assert a["accuracy"] == pytest.approx(b["accuracy"]) and a["kl"] == pytest.approx(b["kl"], rel=1e-4)
+
+
+def test_study_report_figure_and_table(setup, tmp_path) -> None:
+    _, decomposition, batch = setup
+    report = study_report(decomposition, batch, chunk=10)
+    json.dumps(report)  # JSON-ready
+    assert set(report["modules"]) == set(decomposition.names)
+    for summary in report["modules"].values():
+        assert summary["n_alive"] == len(summary["alive"]) <= 4
+        assert len(summary["l0"]) == len(POSITION_CLASSES) and all(0 <= v <= 4 for v in summary["l0"])
+    assert 0 <= report["accuracy_ci_masked"] <= 1 and report["losses"]["kl_stochastic"] >= 0
+    assert set(report["expected"]) == set(EXPECTED_CIRCUIT)
+    # Untrained CI: almost every component is on, so no module matches the one-component circuit.
+    assert not any(e["match"] for e in report["expected"].values())
+    path = plot_ci_by_position(report, tmp_path / "ci.png", title="tiny", max_components=2)
+    assert path.stat().st_size > 1000
+    report["training"] = {"steps": 3}
+    table = comparison_table({"a": report, "b": report}).splitlines()
+    assert len(table) == 4 and table[2].startswith("| a | 3 |") and "Q0 alive / L0@m" in table[0]
+    rows = module_table(report).splitlines()
+    assert len(rows) == 2 + len(decomposition.names) and rows[2].startswith("| Q0 |") and "1 at m" in rows[2]
