@@ -4,8 +4,8 @@
         --features 12 345 --text ../shared/data/corpus --tokens 200000 --out results/inspect
 
 ``--from-steering results/steering/steering.csv`` takes the features the steering study chose for this
-layer instead of ``--features``. The text is packed into rows of ``--context-size`` tokens starting with
-the model's BOS and read once, up to ``--tokens`` tokens.
+layer instead of ``--features``. The texts are packed into rows of ``--context-size`` tokens starting
+with the model's BOS and read once, up to ``--tokens`` tokens in all (an equal share from each).
 """
 
 from __future__ import annotations
@@ -33,7 +33,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--from-steering", default=None, help="steering.csv: take the features chosen for this layer"
     )
-    parser.add_argument("--text", default=None, help="text to read (default: the bundled English text)")
+    parser.add_argument(
+        "--text",
+        nargs="+",
+        default=None,
+        help="texts to read, an equal share of tokens from each (default: the bundled English text)",
+    )
     parser.add_argument("--tokens", type=int, default=100_000, help="tokens to read (default 100,000)")
     parser.add_argument("--context-size", type=int, default=128, help="tokens per row (default 128)")
     parser.add_argument("--n", type=int, default=20, help="contexts per feature (default 20)")
@@ -52,8 +57,11 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("no features: pass --features or --from-steering")
     model = load_model(args.model)
     rows = TokenRows.for_model(model, args.context_size)
-    n_batches = max(1, args.tokens // (8 * args.context_size))
-    batches = itertools.islice(rows.batches(iter_texts(args.text or default_text()), 8), n_batches)
+    sources = args.text or [default_text()]
+    n_batches = max(1, args.tokens // (8 * args.context_size * len(sources)))
+    batches = itertools.chain.from_iterable(
+        itertools.islice(rows.batches(iter_texts(source), 8), n_batches) for source in sources
+    )
     table = top_activations(model, layer, batches, features, n=args.n)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

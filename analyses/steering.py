@@ -61,7 +61,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (1 when the CPU is shared)")
     parser.add_argument("--out", default="results/steering", help="output folder (default results/steering)")
+    parser.add_argument(
+        "--plot-only", action="store_true", help="redraw OUT/steering.png from OUT/steering.csv"
+    )
     args = parser.parse_args(argv)
+    if args.plot_only:
+        import pandas as pd
+
+        steering.plot_sweep(
+            pd.read_csv(Path(args.out) / "steering.csv"), str(Path(args.out) / "steering.png")
+        )
+        return 0
     if args.threads:
         torch.set_num_threads(args.threads)
 

@@ -107,3 +107,16 @@ def test_bad_folders_are_refused(tmp_path):
     (tmp_path / "bad" / "sae_weights.safetensors").write_bytes(b"")
     with pytest.raises(ValueError, match="not valid JSON"):
         mxd_lens.load_layer(tmp_path / "bad")
+
+
+def test_saved_files_get_the_mode_open_would_give(tmp_path):
+    """Atomic writes go through mkstemp (0600); shared weights must be readable as a plain file is."""
+    import os
+    import stat
+
+    model = make_model("gpt2")
+    Transcoder.for_model(model, 0, d_sae=8, k=2).save_model(tmp_path / "tc")
+    (tmp_path / "plain").write_text("x")
+    expected = stat.S_IMODE(os.stat(tmp_path / "plain").st_mode)
+    for name in ("cfg.json", "sae_weights.safetensors"):
+        assert stat.S_IMODE(os.stat(tmp_path / "tc" / name).st_mode) == expected

@@ -272,13 +272,15 @@ def plot_sweep(table: pd.DataFrame, path: str, concept: str = "concept", fluency
             for _, r in rows.iterrows():
                 ax.annotate(f"{r.multiple:g}", (r[fluency], r[concept]), fontsize=6, alpha=0.7)
         ax.set_xscale("log")
-        ax.set_xlabel("clean-model perplexity of the generation (fluency, lower is better)")
+        ax.set_xlabel("perplexity (clean model)", fontsize=8)
         ax.set_title(task, fontsize=9)
         ax.grid(alpha=0.3)
-    axes[0][0].set_ylabel("P(concept) from the task's dense probe")
+    axes[0][0].set_ylabel("P(concept), concept probe")
     axes[0][-1].legend(fontsize=8)
     fig.suptitle(
-        "Steering one feature: labels are alpha in units of the feature's max activation", fontsize=9
+        "Steering one feature: concept strength against fluency (lower perplexity = more fluent); "
+        "point labels are alpha in units of the feature's max activation",
+        fontsize=9,
     )
     fig.tight_layout()
     fig.savefig(path, dpi=120)
