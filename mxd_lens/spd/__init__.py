@@ -4,6 +4,10 @@ from mxd_lens.spd import SPDConfig, SPDTrainer
 trainer = SPDTrainer(model, ["blocks.0.attn.W_Q", "blocks.0.attn.W_K"], batches, SPDConfig(C=32), "runs/spd")
 metrics = trainer.fit()
 ci = trainer.decomposition.causal_importance(model, tokens)   # {name: (g, g_upper)}
+
+Studies build on submodules: ``mxd_lens.spd.induction`` (the toy induction task and model),
+``mxd_lens.spd.report`` (CI per position class, masked accuracy, figures), ``mxd_lens.spd.ablation``
+(``ResidualModel``, concept scoring, ``ablate``, ``ablation_effect``).
 """
 
 from mxd_lens.spd.ci import CI_TYPES, lower_leaky_hard_sigmoid, upper_leaky_hard_sigmoid
