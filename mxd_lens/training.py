@@ -19,8 +19,6 @@ newest whole one. Resuming restores everything, so a killed run ends bit-identic
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -31,6 +29,7 @@ import torch.distributed as dist
 from tqdm.auto import tqdm
 
 from mxd_lens.activations import CachedActivations, ModelActivations, StreamInfo, shuffled_batches
+from mxd_lens.checkpoints import CheckpointError, latest_checkpoint, save_checkpoint_dir  # noqa: F401 (CheckpointError re-exported)
 from mxd_lens.layers import (
     MLPReplacement,
     MxD,
@@ -47,10 +46,6 @@ ARCHITECTURES = ("mxd", "transcoder", "skip_transcoder")
 
 class TrainingDiverged(FloatingPointError):
     """A loss or activation became NaN/Inf; the message says where the last good checkpoint is."""
-
-
-class CheckpointError(OSError):
-    """A checkpoint could not be written (e.g. the disk is full); the previous one is intact."""
 
 
 @dataclass
@@ -356,30 +351,23 @@ class Trainer:
         return self.out_dir / "checkpoints"
 
     def latest_checkpoint(self) -> Path | None:
-        pointer = self.checkpoint_dir / "latest"
-        if not pointer.is_file():
-            return None
-        path = self.checkpoint_dir / pointer.read_text().strip()
-        return path if path.is_dir() else None
+        return latest_checkpoint(self.checkpoint_dir)
 
     def save_checkpoint(self) -> Path | None:
         """Write the whole training state; on any failure the previous checkpoint stays ``latest``."""
         if self.rank:
             return None
-        final = self.checkpoint_dir / f"step_{self.step:09d}"
-        tmp = self.checkpoint_dir / f".tmp-step_{self.step:09d}"
-        try:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
+
+        def fill(folder: Path) -> None:
             for name, learner in self.learners.items():
-                learner.layer.save_model(tmp / name)
+                learner.layer.save_model(folder / name)
                 torch.save(
                     {
                         "optimizer": learner.optimizer.state_dict(),
                         "last_fired": learner.last_fired,
                         "history": learner.history,
                     },
-                    tmp / name / "train_state.pt",
+                    folder / name / "train_state.pt",
                 )
             state = {
                 "step": self.step,
@@ -389,19 +377,9 @@ class Trainer:
                 "config": asdict(self.config),
                 "learners": {name: asdict(learner.spec) for name, learner in self.learners.items()},
             }
-            (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2))
-            shutil.rmtree(final, ignore_errors=True)
-            os.replace(tmp, final)
-            _write_atomic(self.checkpoint_dir / "latest", final.name)
-        except OSError as err:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise CheckpointError(
-                f"could not write checkpoint {final.name} ({err}); the last good checkpoint is "
-                f"{self.latest_checkpoint() or 'none'}"
-            ) from err
-        for old in sorted(self.checkpoint_dir.glob("step_*"))[: -self.config.keep_checkpoints]:
-            shutil.rmtree(old, ignore_errors=True)
-        return final
+            (folder / "trainer_state.json").write_text(json.dumps(state, indent=2))
+
+        return save_checkpoint_dir(self.checkpoint_dir, self.step, fill, self.config.keep_checkpoints)
 
     def load_checkpoint(self, path: str | Path | None = None) -> None:
         path = Path(path) if path is not None else self.latest_checkpoint()
@@ -476,9 +454,3 @@ def _remove_parallel_grad(W: torch.nn.Parameter) -> None:
 def _normalize_rows(W: torch.nn.Parameter) -> None:
     norms = W.norm(dim=-1, keepdim=True)
     W.div_(torch.where(norms > 0, norms, torch.ones_like(norms)))
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)

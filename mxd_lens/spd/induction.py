@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -28,6 +27,8 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 from transformer_lens import HookedTransformer, HookedTransformerConfig
+
+from mxd_lens import checkpoints
 
 EVAL_SEED_OFFSET = 1_000_003  # the held-out batch's generator: seed + this, never the training stream
 
@@ -333,7 +334,7 @@ def _write_history(out_dir: Path, history: dict[str, Any], state: _State) -> Non
     """history.json: config, records (per eval: step, train loss/acc since the last eval, eval_loss,
     eval_acc, the lr those steps used, s_per_step), events (lr raises, solved), steps, solved."""
     text = json.dumps({**history, "steps": state.step, "solved": state.solved}, indent=1)
-    _write_atomic(out_dir / "history.json", text)
+    checkpoints.write_text_atomic(out_dir / "history.json", text)
 
 
 @torch.no_grad()
@@ -396,11 +397,7 @@ def _update_plateau(
 # -- checkpoints and loading -------------------------------------------------------------------------
 def latest_checkpoint(out_dir: str | Path) -> Path | None:
     """The newest whole checkpoint under out_dir/checkpoints (named by its ``latest`` file), or None."""
-    pointer = Path(out_dir) / "checkpoints" / "latest"
-    if not pointer.is_file():
-        return None
-    path = pointer.parent / pointer.read_text().strip()
-    return path if path.is_dir() else None
+    return checkpoints.latest_checkpoint(Path(out_dir) / "checkpoints")
 
 
 def _save_checkpoint(
@@ -413,11 +410,8 @@ def _save_checkpoint(
     keep: int,
 ) -> Path:
     """Written to a temporary folder and renamed; on any failure the previous one stays ``latest``."""
-    root = out_dir / "checkpoints"
-    final, tmp = root / f"step_{state.step:09d}", root / f".tmp-step_{state.step:09d}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
+
+    def fill(folder: Path) -> None:
         torch.save(
             {
                 "model": model.state_dict(),
@@ -427,23 +421,10 @@ def _save_checkpoint(
                 "history": history,
                 "config": history["config"],
             },
-            tmp / "state.pt",
+            folder / "state.pt",
         )
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        _write_atomic(root / "latest", final.name)
-    except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    for old in sorted(root.glob("step_*"))[: -max(keep, 1)]:
-        shutil.rmtree(old, ignore_errors=True)
-    return final
 
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    return checkpoints.save_checkpoint_dir(out_dir / "checkpoints", state.step, fill, keep)
 
 
 def load_induction_model(path: str | Path) -> HookedTransformer:

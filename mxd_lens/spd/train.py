@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import shutil
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -27,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from tqdm.auto import tqdm
 
+from mxd_lens.checkpoints import latest_checkpoint, save_checkpoint_dir, write_text_atomic
 from mxd_lens.spd.ci import CI_TYPES
 from mxd_lens.spd.components import Decomposition
 from mxd_lens.spd.losses import (
@@ -37,7 +36,7 @@ from mxd_lens.spd.losses import (
     kl_divergence,
     reconstruction_losses,
 )
-from mxd_lens.training import CheckpointError, TrainingDiverged
+from mxd_lens.training import TrainingDiverged
 
 if TYPE_CHECKING:
     from transformer_lens import HookedTransformer
@@ -294,7 +293,7 @@ class SPDTrainer:
             refresh=False,
         )
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        _write_atomic(self.out_dir / "metrics.json", json.dumps(self.history, indent=1))
+        write_text_atomic(self.out_dir / "metrics.json", json.dumps(self.history, indent=1))
 
     # -- checkpoints ------------------------------------------------------------------------------
     @property
@@ -302,19 +301,12 @@ class SPDTrainer:
         return self.out_dir / "checkpoints"
 
     def latest_checkpoint(self) -> Path | None:
-        pointer = self.checkpoint_dir / "latest"
-        if not pointer.is_file():
-            return None
-        path = self.checkpoint_dir / pointer.read_text().strip()
-        return path if (path / "state.pt").is_file() else None
+        return latest_checkpoint(self.checkpoint_dir, marker="state.pt")
 
     def save_checkpoint(self) -> Path:
         """Write the whole training state; on any failure the previous checkpoint stays ``latest``."""
-        final = self.checkpoint_dir / f"step_{self.step:09d}"
-        tmp = self.checkpoint_dir / f".tmp-step_{self.step:09d}"
-        try:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
+
+        def fill(folder: Path) -> None:
             torch.save(
                 {
                     "decomposition": self.decomposition.state_dict(),
@@ -323,26 +315,16 @@ class SPDTrainer:
                     "step": self.step,
                     "history": self.history,
                 },
-                tmp / "state.pt",
+                folder / "state.pt",
             )
             summary = {
                 "step": self.step,
                 "config": asdict(self.config),
                 "decomposition": self.decomposition.config(),
             }
-            (tmp / "trainer_state.json").write_text(json.dumps(summary, indent=1))
-            shutil.rmtree(final, ignore_errors=True)
-            os.replace(tmp, final)
-            _write_atomic(self.checkpoint_dir / "latest", final.name)
-        except OSError as err:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise CheckpointError(
-                f"could not write checkpoint {final.name} ({err}); the last good checkpoint is "
-                f"{self.latest_checkpoint() or 'none'}"
-            ) from err
-        for old in sorted(self.checkpoint_dir.glob("step_*"))[: -self.config.keep_checkpoints]:
-            shutil.rmtree(old, ignore_errors=True)
-        return final
+            (folder / "trainer_state.json").write_text(json.dumps(summary, indent=1))
+
+        return save_checkpoint_dir(self.checkpoint_dir, self.step, fill, self.config.keep_checkpoints)
 
     def load_checkpoint(self, path: str | Path | None = None) -> None:
         """Restore a checkpoint (default: ``latest``; none written yet: keep the fresh state)."""
@@ -408,9 +390,3 @@ def evaluate(
         "kl_ci_masked": float(kls["ci_masked_recon"]),
         "kl_unmasked": float(kl_divergence(target, full, positions)),
     }
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
