@@ -114,8 +114,11 @@ def pooled_activations(
             model(tokens, stop_at_layer=needed[-1] + 1)
         pooled = {}
         for name, index in blocks.items():
-            codes = layers[name].encode(io[index]["in"])
-            pooled[name] = (codes * weights.to(codes.dtype)).sum(1)
+            # the K non-zero codes only (no dense [b, p, d_sae] codes, no MxD hidden layer)
+            values, units = layers[name].encode_sparse(io[index]["in"])
+            sums = torch.zeros(len(chunk), layers[name].cfg.d_sae, dtype=values.dtype, device=values.device)
+            sums.scatter_add_(1, units.flatten(1), (values * weights.to(values.dtype)).flatten(1))
+            pooled[name] = sums
         for index in dense_layers:
             for kind, key in zip(DENSE, ("in", "out"), strict=True):
                 pooled[dense_key(kind, index)] = (io[index][key] * weights).sum(1)

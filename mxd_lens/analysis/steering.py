@@ -204,22 +204,6 @@ def concept_probe(positive: Any, negative: Any, seed: int = 0) -> tuple[Any, flo
     return result["probe"], result["test_accuracy"]
 
 
-@torch.no_grad()
-def max_activation(
-    model: HookedTransformer, layer: MLPReplacement, feature: int, token_batches: Sequence[torch.Tensor]
-) -> float:
-    """The largest value code ``feature`` takes on these token rows (BOS excluded): the unit in which a
-    steering alpha is comparable across features and layer types."""
-    index = hooks.layer_index(layer)
-    best = 0.0
-    for tokens in token_batches:
-        with hooks.capture_mlp_io(model, [index]) as io:
-            model(tokens, stop_at_layer=index + 1)
-        codes = layer.encode(io[index]["in"])[:, 1:, feature]
-        best = max(best, float(codes.max()))
-    return best
-
-
 def sweep(
     model: HookedTransformer,
     targets: Sequence[Mapping[str, Any]],

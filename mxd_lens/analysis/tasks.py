@@ -229,7 +229,7 @@ SAEBENCH: list[TaskSet] = [
     TaskSet("amazon_review_category", ("1", "2", "3", "5", "6"), 200, hf=HFSource("canrager/amazon_reviews_mcauley_1and5", "text", "category"), family="category"),
     TaskSet("amazon_review_sentiment", ("5.0", "1.0"), 200, hf=HFSource("canrager/amazon_reviews_mcauley_1and5", "text", "rating"), binary=True, family="sentiment"),
     TaskSet("github_code", ("C", "Python", "HTML", "Java", "PHP"), 200, hf=HFSource("codeparrot/github-code", "code", "language"), family="code language"),
-    TaskSet("ag_news", ("0", "1", "2", "3"), 200, hf=HFSource("fancyzhx/ag_news", "text", "label", label_names={}), family="topic"),
+    TaskSet("ag_news", ("0", "1", "2", "3"), 200, hf=HFSource("fancyzhx/ag_news", "text", "label"), family="topic"),
     TaskSet("europarl", ("en", "fr", "de", "es", "nl"), 200, hf=HFSource("Helsinki-NLP/europarl", "text", "language"), family="language"),
 ]  # fmt: skip
 
