@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from mxd_lens.spd.losses import kl_divergence, reconstruction_losses
-from mxd_lens.spd.train import ci_l0
+from mxd_lens.spd.losses import kl_divergence
+from mxd_lens.spd.train import evaluate
 
 if TYPE_CHECKING:
     from mxd_lens.spd.components import Decomposition
@@ -166,24 +166,14 @@ def loss_metrics(
     l0_all = {name: 0.0 for name in decomposition.names}
     n = tokens.shape[0]
     for rows in _chunks(n, chunk):
-        part = tokens[rows]
-        target, inputs = decomposition.run_clean(decomposition.model, part)
-        ci = decomposition.ci_from_inputs(inputs)
-        kls = reconstruction_losses(
-            decomposition,
-            part,
-            target,
-            ci,
-            ["stochastic_recon", "ci_masked_recon"],
-            mask_type,
-            generator,
-            positions,
+        part = evaluate(
+            decomposition, tokens[rows], positions=positions, mask_type=mask_type, generator=generator
         )
         weight = (rows.stop - rows.start) / n
-        totals["kl_stochastic"] += float(kls["stochastic_recon"]) * weight
-        totals["kl_ci_masked"] += float(kls["ci_masked_recon"]) * weight
-        for name, (g, _) in ci.items():
-            l0_all[name] += float(ci_l0(g)) * weight
+        for key in totals:
+            totals[key] += part[key] * weight
+        for name in l0_all:
+            l0_all[name] += part["ci_l0"][name] * weight
     return {
         "faithfulness": float(decomposition.faithfulness_loss()),
         **totals,
