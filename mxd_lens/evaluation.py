@@ -13,7 +13,9 @@ Definitions (all per predicted token, averaged over the held-out tokens):
 - CE recovered = (CE(ablated) − CE(spliced)) / (CE(ablated) − CE(clean)), for zero- and mean-ablation.
 - KL = KL(clean ‖ spliced) of the next-token distributions.
 - FVU = Σ‖ŷ − y‖² / Σ‖y − ȳ‖² against the true MLP output y on the clean input; explained variance
-  = 1 − FVU. L0 = mean active codes per token. Dead fraction = units never active on these tokens.
+  = 1 − FVU. L0 = mean active codes per token. Dead fraction = units never active on these tokens
+  (``mxd_lens.firing`` with the window = all held-out tokens; training uses the same definition with
+  its own window).
   (When the model prepends BOS, position 0 is left out of FVU/L0/dead, as in training.)
 """
 
@@ -28,6 +30,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from mxd_lens import hooks
+from mxd_lens.firing import FiringTracker
 from mxd_lens.layers.base import MLPReplacement
 
 
@@ -62,7 +65,7 @@ def evaluate(
 
     means = _mlp_output_means(model, blocks, batches, skip)
     sums: dict[str, float] = {}
-    fired = {name: torch.zeros(layer.cfg.d_sae, dtype=torch.bool) for name, layer in named.items()}
+    firing = {name: FiringTracker(layer.cfg.d_sae) for name, layer in named.items()}
     variants = (
         [("zero", b) for b in blocks] + [("mean", b) for b in blocks] + [("splice", name) for name in named]
     )
@@ -94,7 +97,7 @@ def evaluate(
                 _add(sums, f"sst:{name}", float((y - means[index[name]]).pow(2).sum()))
                 _add(sums, f"l0:{name}", float((values > 0).sum()))
                 _add(sums, f"tokens:{name}", float(values.shape[0] * values.shape[1]))
-                fired[name][idx[values > 0].cpu()] = True
+                firing[name].update(values.cpu(), idx.cpu())
 
     ce_clean = sums["ce_clean"] / n_pred
     rows = []
@@ -104,7 +107,7 @@ def evaluate(
         row.update(
             fvu=sums[f"sse:{name}"] / max(sums[f"sst:{name}"], 1e-12),
             l0=sums[f"l0:{name}"] / sums[f"tokens:{name}"],
-            dead_fraction=float((~fired[name]).float().mean()),
+            dead_fraction=firing[name].dead_fraction(),  # never fired on these tokens (mxd_lens.firing)
         )
         row["explained_variance"] = 1 - row["fvu"]
         rows.append(row)

@@ -18,7 +18,7 @@ import tempfile
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 from sae_lens import SAE, SAEConfig
@@ -63,6 +63,19 @@ class LayerConfig(SAEConfig):
                 f"{type(self).__name__}: the layer must read the raw MLP input; use 'none'"
             )
         super().__post_init__()
+
+
+class TrainStepOutput(NamedTuple):
+    """One training batch through a layer: ``loss`` is what to backpropagate, ``losses`` its terms
+    (``mse``, and ``auxk`` when dead units were given), ``metrics`` floats to log (``loss``, ``fvu``,
+    ``l0``, ``auxk``)."""
+
+    output: torch.Tensor
+    values: torch.Tensor
+    indices: torch.Tensor
+    loss: torch.Tensor
+    losses: dict[str, torch.Tensor]
+    metrics: dict[str, float]
 
 
 @dataclass
@@ -232,7 +245,7 @@ class MLPReplacement(SAE[C]):
         what a trainer needs (the output and which units fired), without the code hook points."""
         x = self.process_sae_in(x)
         lead, x2 = x.shape[:-1], x.reshape(-1, self.cfg.d_in)
-        values, indices = ops.topk_encode(x2, self.W_enc, self.b_enc, self.cfg.k)
+        values, indices = ops.topk_encode(x2, self.W_enc, self.b_enc, self.cfg.k)[:2]
         mixture = ops.decode_rows(values, indices, self.W_dec)
         out = self._output(mixture, self._decode_context(x2))
         k = self.cfg.k
@@ -241,7 +254,96 @@ class MLPReplacement(SAE[C]):
     def encode_sparse(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The codes as (values [..., K], indices [..., K]), values sorted descending."""
         x = self.process_sae_in(x)
-        return ops.topk_encode(x, self.W_enc, self.b_enc, self.cfg.k)
+        values, indices = ops.topk_encode(x, self.W_enc, self.b_enc, self.cfg.k)[:2]
+        return values, indices
+
+    # -- training ----------------------------------------------------------------------------------
+    def training_forward_pass(
+        self,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        *,
+        loss_scale: float | None = None,
+        objective: str = "nmse",
+        dead_mask: torch.Tensor | None = None,
+        k_aux: int = 0,
+        aux_coefficient: float = 0.0,
+    ) -> TrainStepOutput:
+        """The loss terms and metrics of one batch (x [T, d_in], y [T, d_out]); the SAELens pattern.
+
+        ``mse``: with ``objective="nmse"``, sum_d (y_hat - y)^2 per token, averaged over tokens and divided
+        by ``loss_scale`` (the trainer's fixed per-token target variance; default: this batch's), so it
+        reads as FVU and, being a mean of per-token terms, splits exactly over data-parallel ranks;
+        ``"paper"``: the reference code's mean_{t,d} (y_hat - y)^2 / ||y_t||.
+        ``auxk`` (Gao et al. 2024; sparsify): the ``k_aux`` largest pre-activations among the units in
+        ``dead_mask`` reconstruct the residual e = y - y_hat (held fixed) through the same decoder
+        (``_aux_output``), ``min(n_dead / k_aux, 1) * mean_t ||e_hat - e||^2 / loss_scale``; it is added
+        with ``aux_coefficient``. Its gradient reaches only the dead units' encoder columns and
+        decoder rows. The pre-activations come from the TopK matmul itself (no second [T, N] product).
+        """
+        x2 = self.process_sae_in(x).reshape(-1, self.cfg.d_in)
+        y2 = y.reshape(-1, self.cfg.d_out).to(self.dtype)
+        if loss_scale is None:
+            loss_scale = float((y2 - y2.mean(0)).pow(2).sum(-1).mean())
+        loss_scale = max(loss_scale, 1e-12)
+        n_dead = int(dead_mask.sum()) if dead_mask is not None else 0
+        use_aux = aux_coefficient > 0 and k_aux > 0 and n_dead > 0
+        enc = ops.topk_encode(
+            x2, self.W_enc, self.b_enc, self.cfg.k, dead_mask if use_aux else None, k_aux if use_aux else 0
+        )
+        context = self._decode_context(x2)
+        out = self._output(ops.decode_rows(enc.values, enc.indices, self.W_dec), context)
+        sq = (out - y2).pow(2)
+        if objective == "nmse":
+            mse = sq.sum(-1).mean() / loss_scale
+        elif objective == "paper":
+            mse = (sq / y2.norm(dim=-1, keepdim=True).clamp_min(1e-12)).mean()
+        else:
+            raise ValueError(f"objective {objective!r}: choose 'nmse' or 'paper'")
+        losses = {"mse": mse}
+        loss = mse
+        if use_aux:
+            residual = (y2 - out).detach()
+            e_hat = self._aux_output(ops.decode_rows(enc.aux_values, enc.aux_indices, self.W_dec), context)
+            scale = min(n_dead / k_aux, 1.0)
+            losses["auxk"] = scale * (e_hat - residual).pow(2).sum(-1).mean() / loss_scale
+            loss = loss + aux_coefficient * losses["auxk"]
+        with torch.no_grad():
+            total_var = (y2 - y2.mean(0)).pow(2).sum().clamp_min(1e-12)
+            metrics = {
+                "loss": float(loss),
+                "fvu": float(sq.sum() / total_var),
+                "l0": float((enc.values > 0).sum(-1).float().mean()),
+                **({"auxk": float(losses["auxk"])} if use_aux else {}),
+            }
+        return TrainStepOutput(out, enc.values, enc.indices, loss, losses, metrics)
+
+    def _aux_output(self, mixture: torch.Tensor, context: Any) -> torch.Tensor:
+        """What the AuxK units' mixture ``sum_n a_n W_dec[n]`` adds to the output (no bias): the
+        transcoders' mixture itself; MxD overrides it to modulate by its (fixed) hidden layer."""
+        return mixture
+
+    @torch.no_grad()
+    def fold_activation_scales(self, input_scale: float, output_scale: float = 1.0) -> MLPReplacement:
+        """In place: a layer trained to map ``input_scale * x`` to ``output_scale * y`` becomes one that
+        maps raw x to raw y, with the same units selected. The codes are divided by ``output_scale``
+        (TopK and ReLU commute with a positive scale), so unit-norm decoder rows stay unit-norm:
+        W_enc *= s_in / s_out, b_enc /= s_out, b_dec /= s_out, and each subclass folds its own dense
+        parts (``_fold_dense``). Returns self."""
+        if not (input_scale > 0 and output_scale > 0):
+            raise ValueError(f"scales must be positive, got input {input_scale}, output {output_scale}")
+        self.W_enc.mul_(input_scale / output_scale)
+        self.b_enc.div_(output_scale)
+        self.b_dec.div_(output_scale)
+        self._fold_dense(input_scale, output_scale)
+        self._stash = None
+        return self
+
+    def _fold_dense(self, input_scale: float, output_scale: float) -> None:
+        """Fold the scales into the parameters outside the TopK dictionary (none here)."""
+
+    #: decoder rows kept at unit norm during training (the a_n * c_n scale symmetry makes it free)
+    unit_norm_decoder: bool = True
 
     def forward_reference(self, x: torch.Tensor) -> torch.Tensor:
         """The same map in its dense textbook form (full [T, d_sae] codes, plain autograd).

@@ -84,10 +84,21 @@ class MxD(MLPReplacement[MxDConfig]):
         return self.phi(up)
 
     def _decode_context(self, x: torch.Tensor) -> torch.Tensor:
-        return self.hidden(x)
+        return self.hidden(x) @ self.W_out  # z D [T, d_out]: all that decode needs from x
 
-    def _output(self, mixture: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        return (z @ self.W_out) * mixture + self.b_dec
+    def _output(self, mixture: torch.Tensor, zD: torch.Tensor) -> torch.Tensor:
+        return zD * mixture + self.b_dec
+
+    def _aux_output(self, mixture: torch.Tensor, zD: torch.Tensor) -> torch.Tensor:
+        # AuxK for MxD: the dead experts' coefficients through the same hidden layer, held fixed so
+        # that only the dead experts' gate columns and C rows learn from it.
+        return zD.detach() * mixture
+
+    def _fold_dense(self, input_scale: float, output_scale: float) -> None:
+        # z = phi(s x E + b_E) reads raw x with E *= s; D and C are untouched (the codes carry 1/s_out).
+        self.W_in.mul_(input_scale)
+        if self.cfg.hidden_form == "glu":
+            self.W_in_gate.mul_(input_scale)
 
     def expert_weights(self, n: int) -> torch.Tensor:
         """W_n = D diag(c_n) [d_hidden, d_out]: expert n as the linear map it applies to z."""

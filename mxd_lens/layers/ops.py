@@ -10,6 +10,7 @@ Dense forms of the same maps (for tests and benchmarks) are ``topk_encode_dense`
 from __future__ import annotations
 
 import warnings
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -17,39 +18,61 @@ import torch.nn.functional as F
 warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta state")
 
 
+class EncoderOutput(NamedTuple):
+    """What the TopK encoder returns (sparsify's pattern): the K selected codes and, when asked for, the
+    ``k_aux`` largest pre-activations among the units an ``aux_mask`` allows (the dead ones, for AuxK),
+    taken from the same ``x W + b`` so AuxK costs no second [T, N] matmul."""
+
+    values: torch.Tensor  # [..., K] ReLU'd, sorted descending
+    indices: torch.Tensor  # [..., K]
+    aux_values: torch.Tensor  # [..., k_aux] ReLU'd; [..., 0] without an aux_mask
+    aux_indices: torch.Tensor  # [..., k_aux], disjoint from ``indices`` in every row
+
+
 class _TopKEncode(torch.autograd.Function):
-    """values, indices = TopK_K(ReLU(x W + b)), as a pair.
+    """values, indices (and the AuxK selection) = TopK(ReLU(x W + b)).
 
     Forward is one dense matmul (x W is the irreducible cost of a gate over N units). Backward
-    uses only the K selected columns per token: dW = x^T S and db = colsum(S) with S the [T, N]
-    gradient that is zero outside the selection, held as a sparse CSR matrix (T*K entries)
-    instead of a dense [I, T] x [T, N] product.
+    uses only the selected columns per token (K, plus k_aux with AuxK): dW = x^T S and db = colsum(S)
+    with S the [T, N] gradient that is zero outside the selection, held as a sparse CSR matrix
+    instead of a dense [I, T] x [T, N] product. The AuxK selection excludes each row's TopK units, so
+    the two selections never share a column and S has no duplicate entries.
     """
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, W: torch.Tensor, b: torch.Tensor, k: int):
+    def forward(ctx, x: torch.Tensor, W: torch.Tensor, b: torch.Tensor, k: int, aux_mask, k_aux: int):
         pre = torch.addmm(b, x, W)
         values, indices = pre.topk(k, dim=-1, sorted=True)
         values = values.clamp_min(0.0)
-        ctx.save_for_backward(x, W, values, indices)
-        ctx.mark_non_differentiable(indices)
-        return values, indices
+        if aux_mask is not None and k_aux > 0:
+            candidates = pre.masked_fill(~aux_mask, float("-inf")).scatter_(-1, indices, float("-inf"))
+            aux_values, aux_indices = candidates.topk(k_aux, dim=-1, sorted=True)
+            aux_values = aux_values.clamp_min(0.0)  # -inf (fewer candidates than k_aux) becomes 0
+        else:
+            aux_values = values.new_zeros(values.shape[0], 0)
+            aux_indices = indices.new_zeros(indices.shape[0], 0)
+        ctx.save_for_backward(
+            x, W, torch.cat([values, aux_values], -1), torch.cat([indices, aux_indices], -1)
+        )
+        ctx.mark_non_differentiable(indices, aux_indices)
+        return values, indices, aux_values, aux_indices
 
     @staticmethod
-    def backward(ctx, grad_values: torch.Tensor, _grad_indices: torch.Tensor | None):
+    def backward(ctx, grad_values, _grad_indices, grad_aux_values, _grad_aux_indices):
         x, W, values, indices = ctx.saved_tensors
         n_tokens, k = indices.shape
+        grad = torch.cat([grad_values, grad_aux_values], -1)
         # ReLU gate: the derivative is zero where the selected pre-activation was <= 0.
-        g = torch.where(values > 0, grad_values, torch.zeros_like(grad_values))
+        g = torch.where(values > 0, grad, torch.zeros_like(grad))
         flat_idx = indices.reshape(-1)
         grad_x = grad_W = grad_b = None
         if ctx.needs_input_grad[0]:
             # dx[t] = sum_k g[t, k] W[:, idx[t, k]]
             grad_x = torch.einsum("tk,tki->ti", g, W.t()[indices])
         if ctx.needs_input_grad[1]:
-            # dW = x^T S with S the [T, N] gradient as a CSR matrix of T*K entries (columns sorted
-            # within each row, as CSR wants). dense @ CSR writes W's own [I, N] layout directly,
-            # so autograd does not copy a transposed gradient into place.
+            # dW = x^T S with S the [T, N] gradient as a CSR matrix (columns sorted within each row,
+            # as CSR wants). dense @ CSR writes W's own [I, N] layout directly, so autograd does not
+            # copy a transposed gradient into place.
             order = indices.argsort(dim=-1)
             crow = torch.arange(0, n_tokens * k + 1, k, device=x.device)
             S = torch.sparse_csr_tensor(
@@ -63,19 +86,32 @@ class _TopKEncode(torch.autograd.Function):
         if ctx.needs_input_grad[2]:
             grad_b = torch.zeros(W.shape[1], dtype=g.dtype, device=g.device)
             grad_b.index_add_(0, flat_idx, g.reshape(-1))
-        return grad_x, grad_W, grad_b, None
+        return grad_x, grad_W, grad_b, None, None, None
 
 
 def topk_encode(
-    x: torch.Tensor, W: torch.Tensor, b: torch.Tensor, k: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """TopK_K(ReLU(x W + b)) as (values [..., K], indices [..., K]), values sorted descending.
+    x: torch.Tensor,
+    W: torch.Tensor,
+    b: torch.Tensor,
+    k: int,
+    aux_mask: torch.Tensor | None = None,
+    k_aux: int = 0,
+) -> EncoderOutput:
+    """TopK_K(ReLU(x W + b)) as (values [..., K], indices [..., K]), values sorted descending, plus the
+    AuxK selection when ``aux_mask`` ([N] bool, True = may be chosen) and ``k_aux`` are given: the
+    ``min(k_aux, candidates)`` largest ReLU'd pre-activations among allowed units outside the row's TopK.
 
     Fewer than K positive pre-activations leave zeros among the values (their gradient is zero).
     """
     lead = x.shape[:-1]
-    values, indices = _TopKEncode.apply(x.reshape(-1, x.shape[-1]), W, b, k)
-    return values.reshape(*lead, k), indices.reshape(*lead, k)
+    if aux_mask is not None:
+        if aux_mask.shape != (W.shape[1],) or aux_mask.dtype != torch.bool:
+            raise ValueError(f"aux_mask must be a bool tensor of shape ({W.shape[1]},), got {aux_mask.shape}")
+        if k_aux < 0:
+            raise ValueError(f"k_aux={k_aux} must be >= 0")
+        k_aux = min(k_aux, W.shape[1] - k)
+    out = _TopKEncode.apply(x.reshape(-1, x.shape[-1]), W, b, k, aux_mask, k_aux)
+    return EncoderOutput(*(t.reshape(*lead, t.shape[-1]) for t in out))
 
 
 def topk_encode_dense(x: torch.Tensor, W: torch.Tensor, b: torch.Tensor, k: int) -> torch.Tensor:

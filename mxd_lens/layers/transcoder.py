@@ -64,8 +64,14 @@ class SkipTranscoder(MLPReplacement[SkipTranscoderConfig]):
             torch.zeros(self.cfg.d_in, self.cfg.d_out, dtype=self.dtype, device=self.device)
         )
 
+    # Its decoder starts at zero: unit rows are undefined there (NaN in the reference code).
+    unit_norm_decoder = False
+
     def _decode_context(self, x: torch.Tensor) -> torch.Tensor:
         return x
+
+    def _fold_dense(self, input_scale: float, output_scale: float) -> None:
+        self.W_skip.mul_(input_scale / output_scale)
 
     def _output(self, mixture: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         return mixture + self.b_dec + x @ self.W_skip
