@@ -38,15 +38,32 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--archs", nargs="+", default=list(METHODS), choices=list(METHODS), help="methods to compare"
     )
-    parser.add_argument("--train-tokens", type=int, default=1_000_000, help="training tokens (default 1M)")
+    defaults = {name: f.default for name, f in FrontierConfig.__dataclass_fields__.items()}
+    parser.add_argument(
+        "--train-tokens",
+        type=int,
+        default=defaults["train_tokens"],
+        help=f"tokens cached from the train split (default {defaults['train_tokens']:,})",
+    )
+    parser.add_argument(
+        "--epochs",
+        type=float,
+        default=defaults["epochs"],
+        help=f"passes over them (default {defaults['epochs']})",
+    )
     parser.add_argument(
         "--eval-tokens", type=int, default=25_600, help="held-out tokens for CE (default 25,600)"
     )
     parser.add_argument("--context-size", type=int, default=128, help="tokens per row (default 128)")
     parser.add_argument(
-        "--batch-tokens", type=int, default=4096, help="tokens per training step (default 4096)"
+        "--batch-tokens",
+        type=int,
+        default=defaults["batch_tokens"],
+        help=f"tokens per training step (default {defaults['batch_tokens']})",
     )
-    parser.add_argument("--lr", type=float, default=4e-4, help="Adam learning rate (default 4e-4)")
+    parser.add_argument(
+        "--lr", type=float, default=defaults["lr"], help=f"Adam learning rate (default {defaults['lr']})"
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed (default 0)")
     parser.add_argument("--out", default="results/frontier", help="output folder (default results/frontier)")
     args = parser.parse_args(argv)
@@ -59,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         width_multiplier=args.width_multiplier,
         archs=args.archs,
         train_tokens=args.train_tokens,
+        epochs=args.epochs,
         eval_tokens=args.eval_tokens,
         context_size=args.context_size,
         batch_tokens=args.batch_tokens,

@@ -2,11 +2,20 @@
 and the shuffled batches a trainer consumes.
 
 The stream is cut into **blocks**: a fixed number of token rows whose activations are computed
-together (one model forward per ``forward_rows`` rows, stopping after the last layer needed). A
-block is shuffled by a permutation seeded by (seed, block index) and emitted as batches; then the next
-block replaces it whole. So the position in the stream is just (block, batch): a resumed run recomputes
-(or re-reads) one block and continues bit for bit, with no buffer to checkpoint. An on-disk cache
-stores one safetensors shard per block, so cached and live streams are the same stream.
+together (one model forward per ``forward_rows`` rows, stopping after the last layer needed). An
+on-disk cache stores one safetensors shard per block.
+
+Batches come from **windows**, each permuted by a generator seeded by (seed, epoch, window) and cut
+into batches that run on across window (and epoch) ends, so no token is dropped:
+
+- from a live model, a window is one block, in stream order (the text is read once);
+- from a cache, every epoch is a fresh seeded permutation of all (block, chunk) pieces of the cache,
+  ``chunk_tokens`` consecutive tokens each, grouped into windows of ``buffer_tokens``: a **global**
+  shuffle with a bounded buffer, each token visited exactly once per epoch, epochs without end
+  (``shuffle="block"`` reads a cache the way the live stream reads the model).
+
+A batch is therefore fixed by its token offset in the stream alone: a resumed run restarts at
+``tokens_seen`` (re-reading one window) with no buffer to checkpoint, bit for bit.
 """
 
 from __future__ import annotations
@@ -14,7 +23,6 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -169,6 +177,16 @@ class ModelActivations:
                 for L in self.layers
             }
 
+    epoch_tokens: int | None = None  # a live stream's length is not known up front; it is read once
+
+    def windows(self, seed: int, start: int = 0) -> Iterator[Window]:
+        """The live stream's windows: its blocks in order, each permuted, from the one holding ``start``."""
+        per_block = self.info.tokens_per_block
+        first = start // per_block
+        for index, block in enumerate(self.blocks(start=first), start=first):
+            _check_finite(block, f"block {index}")
+            yield index * per_block, _permuted(block, _generator(seed, 0, index))
+
 
 def _shard_name(index: int) -> str:
     return f"block_{index:06d}.safetensors"
@@ -245,8 +263,25 @@ class CachedActivations:
     """
 
     def __init__(
-        self, path: str | Path, layers: Sequence[int] | None = None, expect: dict[str, Any] | None = None
+        self,
+        path: str | Path,
+        layers: Sequence[int] | None = None,
+        expect: dict[str, Any] | None = None,
+        *,
+        max_blocks: int | None = None,
+        shuffle: str = "global",
+        buffer_tokens: int = 65_536,
+        chunk_tokens: int = 2_048,
     ):
+        if shuffle not in ("global", "block"):
+            raise ValueError(f"shuffle={shuffle!r}: choose 'global' (across the cache) or 'block'")
+        if buffer_tokens <= 0 or chunk_tokens <= 0:
+            raise ValueError(
+                f"buffer_tokens={buffer_tokens} and chunk_tokens={chunk_tokens} must be positive"
+            )
+        if max_blocks is not None and max_blocks <= 0:
+            raise ValueError(f"max_blocks={max_blocks} must be positive")
+        self.shuffle, self.buffer_tokens, self.chunk_tokens = shuffle, buffer_tokens, chunk_tokens
         self.path = Path(path)
         manifest_path = self.path / MANIFEST
         if not manifest_path.is_file():
@@ -269,10 +304,71 @@ class CachedActivations:
                     f"{self.path} was cached with {key}={getattr(self.info, key)!r}, but this run asks for {value!r}"
                 )
         self.n_blocks = 0
-        while (self.path / _shard_name(self.n_blocks)).exists():
+        while (self.path / _shard_name(self.n_blocks)).exists() and (
+            max_blocks is None or self.n_blocks < max_blocks
+        ):
             self.n_blocks += 1
         if self.n_blocks == 0:
             raise ValueError(f"{self.path} holds no complete block yet")
+
+    @property
+    def epoch_tokens(self) -> int:
+        """Tokens in one pass over the cache."""
+        return self.n_blocks * self.info.tokens_per_block
+
+    def read(self, block: int, lo: int = 0, hi: int | None = None) -> Block:
+        """Tokens ``lo:hi`` of one block (only those bytes are read from the shard)."""
+        with safe_open(self.path / _shard_name(block), framework="pt") as shard:
+            return {
+                L: tuple(shard.get_slice(f"{key}.{L}")[lo:hi].float() for key in ("x", "y"))  # type: ignore[misc]
+                for L in self.layers
+            }
+
+    def windows(self, seed: int, start: int = 0) -> Iterator[Window]:
+        """Windows of every epoch, without end, from the one holding stream offset ``start``.
+
+        ``global``: each epoch permutes the (block, chunk) pieces with a generator seeded by
+        (seed, epoch), groups them into windows of about ``buffer_tokens`` tokens and permutes each
+        window's tokens by (seed, epoch, window). ``block``: the blocks in order, each a window, as a
+        live stream reads them (epoch 0 of a cache equals the live stream it was written from).
+        """
+        per_block = self.info.tokens_per_block
+        if self.shuffle == "block":
+            pieces = [[(b, 0, per_block)] for b in range(self.n_blocks)]
+            plans = lambda epoch: pieces  # noqa: E731  (the same windows every epoch)
+        else:
+            chunks = [
+                (b, lo, min(lo + self.chunk_tokens, per_block))
+                for b in range(self.n_blocks)
+                for lo in range(0, per_block, self.chunk_tokens)
+            ]
+            per_window = max(1, self.buffer_tokens // self.chunk_tokens)
+
+            def plans(epoch: int) -> list[list[tuple[int, int, int]]]:
+                order = torch.randperm(len(chunks), generator=_generator(seed, epoch, -1)).tolist()
+                return [
+                    [chunks[i] for i in order[w : w + per_window]] for w in range(0, len(order), per_window)
+                ]
+
+        epoch = start // self.epoch_tokens
+        epoch_start = epoch * self.epoch_tokens
+        while True:
+            plan, position = plans(epoch), epoch_start
+            for w, pieces_w in enumerate(plan):
+                size = sum(hi - lo for _, lo, hi in pieces_w)
+                if position + size <= start:  # wholly before the resume point: never read
+                    position += size
+                    continue
+                parts = [self.read(b, lo, hi) for b, lo, hi in pieces_w]
+                window = {
+                    L: (torch.cat([p[L][0] for p in parts]), torch.cat([p[L][1] for p in parts]))
+                    for L in self.layers
+                }
+                _check_finite(window, f"epoch {epoch}, window {w} of {self.path}")
+                yield position, _permuted(window, _generator(seed, epoch, w))
+                position += size
+            epoch += 1
+            epoch_start += self.epoch_tokens
 
     def blocks(self, start: int = 0) -> Iterator[Block]:
         for index in range(start, self.n_blocks):
@@ -283,42 +379,63 @@ class CachedActivations:
                 }
 
 
-def shuffled_batches(
-    source: ModelActivations | CachedActivations,
-    batch_tokens: int,
-    seed: int,
-    start: tuple[int, int] = (0, 0),
-) -> Iterator[tuple[tuple[int, int], Block]]:
-    """((block, batch), {layer: (x, y)}) for every full batch, from position ``start`` on.
+Window = tuple[int, Block]  # (stream offset of the window's first token, its permuted tokens)
 
-    Inputs and targets are permuted together; the permutation depends only on (seed, block), and the
-    tokens of a block that do not fill a last batch are dropped.
+
+def _permuted(block: Block, generator: torch.Generator) -> Block:
+    n = next(iter(block.values()))[0].shape[0]
+    order = torch.randperm(n, generator=generator)
+    return {L: (x[order], y[order]) for L, (x, y) in block.items()}
+
+
+def _generator(seed: int, epoch: int, window: int) -> torch.Generator:
+    return torch.Generator().manual_seed((seed * 1_000_003 + epoch) * 1_000_003 + window)
+
+
+def _check_finite(block: Block, where: str) -> None:
+    for layer, (x, y) in block.items():
+        if not (torch.isfinite(x).all() and torch.isfinite(y).all()):
+            raise FloatingPointError(f"non-finite activations at layer {layer} in {where}")
+
+
+def shuffled_batches(
+    source: ModelActivations | CachedActivations, batch_tokens: int, seed: int, start: int = 0
+) -> Iterator[Block]:
+    """Batches {layer: (x [batch_tokens, d_in], y [batch_tokens, d_out])} of the shuffled stream,
+    beginning ``start`` tokens into it (a multiple of ``batch_tokens`` to resume at a step).
+
+    Inputs and targets are permuted together. A live stream ends when its text does (a last partial
+    batch is dropped); a cache's stream runs for as many epochs as are read from it.
     """
-    tokens = source.info.tokens_per_block
-    if not 0 < batch_tokens <= tokens:
-        raise ValueError(
-            f"batch_tokens={batch_tokens} must be in 1..{tokens} (the tokens in one block); raise rows_per_block"
-        )
-    wasted = (tokens % batch_tokens) / tokens
-    if wasted > 0.05:
-        warnings.warn(
-            f"each block of {tokens} tokens leaves {tokens % batch_tokens} ({wasted:.0%}) that fill no batch of "
-            f"{batch_tokens} and are dropped; choose rows_per_block so that rows x tokens-per-row is close to a "
-            "multiple of batch_tokens",
-            stacklevel=2,
-        )
-    first_block, first_batch = start
-    if first_batch >= tokens // batch_tokens:  # resuming at a block's end: start with the next block
-        first_block, first_batch = first_block + 1, 0
-    for block_index, block in enumerate(source.blocks(start=first_block), start=first_block):
-        for layer, (x, y) in block.items():
-            if not (torch.isfinite(x).all() and torch.isfinite(y).all()):
-                raise FloatingPointError(f"non-finite activations at layer {layer} in block {block_index}")
-        generator = torch.Generator().manual_seed(seed * 1_000_003 + block_index)
-        order = torch.randperm(tokens, generator=generator)
-        for batch_index in range(first_batch if block_index == first_block else 0, tokens // batch_tokens):
-            idx = order[batch_index * batch_tokens : (batch_index + 1) * batch_tokens]
-            yield (block_index, batch_index), {L: (x[idx], y[idx]) for L, (x, y) in block.items()}
+    if batch_tokens <= 0 or start < 0:
+        raise ValueError(f"need batch_tokens={batch_tokens} > 0 and start={start} >= 0")
+    parts: list[Block] = []
+    held = 0
+    for offset, window in source.windows(seed, start):
+        n = next(iter(window.values()))[0].shape[0]
+        skip = max(0, start - offset)
+        if skip >= n:
+            continue
+        if skip:
+            window = {L: (x[skip:], y[skip:]) for L, (x, y) in window.items()}
+            n -= skip
+        lo = 0
+        while held + (n - lo) >= batch_tokens:
+            take = batch_tokens - held
+            parts.append({L: (x[lo : lo + take], y[lo : lo + take]) for L, (x, y) in window.items()})
+            lo += take
+            yield (
+                parts[0]
+                if len(parts) == 1
+                else {
+                    L: (torch.cat([p[L][0] for p in parts]), torch.cat([p[L][1] for p in parts]))
+                    for L in window
+                }
+            )
+            parts, held = [], 0
+        if lo < n:
+            parts.append({L: (x[lo:], y[lo:]) for L, (x, y) in window.items()})
+            held += n - lo
 
 
 def _atomic_text(path: Path, text: str) -> None:

@@ -83,18 +83,18 @@ def _demo(args: argparse.Namespace) -> int:
         width_multiplier=args.width_multiplier,
         archs=["mxd", "transcoder"],
         train_tokens=args.train_tokens or (8_192 if quick else 262_144),
+        epochs=args.epochs,
         eval_tokens=args.eval_tokens or (1_024 if quick else 12_800),
         context_size=args.context_size,
-        batch_tokens=args.batch_tokens or (1024 if quick else 2048),
-        lr=1e-3,
-        # 127 tokens a row: 33 x 127 and 242 x 127 tokens fill whole batches of 1,024 / 2,048 with <3% left over
-        rows_per_block=33 if quick else 242,
+        batch_tokens=args.batch_tokens or (256 if quick else 1024),
+        rows_per_block=33 if quick else 256,
     )
     rows = run_frontier(model, config, args.out)
     table = pd.DataFrame(rows)[["method", "layer", "k", "params", "ce_clean", "delta_ce", "kl", "fvu", "l0"]]
     print(
         f"\n{model.cfg.model_name}, layer {args.layer}: parameter-matched (m = {args.width_multiplier}), "
-        f"K = {args.k}, {rows[0]['train_tokens']:,} training tokens, {rows[0]['tokens']:,} held-out tokens\n"
+        f"K = {args.k}, {rows[0]['train_tokens']:,} training tokens ({args.epochs:g} epochs), "
+        f"{rows[0]['tokens']:,} held-out tokens\n"
     )
     print(table.to_markdown(index=False, floatfmt=".4f"))
     print(
@@ -125,7 +125,12 @@ def _cache(args: argparse.Namespace) -> int:
 
     stream = _stream_source(args, load_model(args.model))
     path = write_cache(stream, args.out, n_blocks=args.blocks, dtype=args.dtype, text_info=stream.text_info)
-    print(f"activation cache at {path}")
+    tokens = args.blocks * stream.info.tokens_per_block
+    size = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
+    print(
+        f"activation cache at {path}: {args.blocks} blocks, {tokens:,} tokens x {len(stream.layers)} layer(s), "
+        f"{size / 2**30:.2f} GiB on disk ({args.dtype})"
+    )
     return 0
 
 
@@ -141,7 +146,7 @@ def _train(args: argparse.Namespace) -> int:
         dist.init_process_group("nccl" if args.device.startswith("cuda") else "gloo")
     model = None
     if args.cache:
-        source = CachedActivations(args.cache, layers=args.layers)
+        source = CachedActivations(args.cache, layers=args.layers, shuffle=args.shuffle)
     else:
         if not (args.model and args.text):
             raise SystemExit(
@@ -159,19 +164,28 @@ def _train(args: argparse.Namespace) -> int:
         for k in args.k
         for m in args.width_multiplier
     ]
-    config = TrainConfig(
-        total_tokens=args.tokens,
-        batch_tokens=args.batch_tokens,
-        lr=args.lr,
-        warmup_steps=args.warmup,
-        objective=args.objective,
-        init_b_dec=args.init_b_dec,
-        seed=args.seed,
-        dead_window_tokens=args.dead_window,
-        log_every=args.log_every,
-        checkpoint_every=args.checkpoint_every,
-        wandb_project=args.wandb,
-    )
+    given = {
+        "total_tokens": args.tokens,
+        "epochs": args.epochs,
+        "batch_tokens": args.batch_tokens,
+        "lr": args.lr,
+        "warmup_steps": args.warmup,
+        "lr_schedule": args.lr_schedule,
+        "objective": args.objective,
+        "normalize": args.normalize,
+        "aux_coefficient": args.aux_coefficient,
+        "k_aux": args.k_aux,
+        "init_b_dec": args.init_b_dec,
+        "seed": args.seed,
+        "dead_window_tokens": args.dead_window,
+        "log_every": args.log_every,
+        "checkpoint_every": args.checkpoint_every,
+        "wandb_project": args.wandb,
+    }
+    try:
+        config = TrainConfig(**{key: value for key, value in given.items() if value is not None})
+    except ValueError as err:
+        raise SystemExit(f"mxd-lens train: {err}") from err
     trainer = Trainer(
         specs,
         source,
@@ -216,6 +230,13 @@ def _add_stream_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _default(name: str) -> Any:
+    """A TrainConfig field's default: the CLI states it once, where the dataclass does."""
+    from mxd_lens.training import TrainConfig
+
+    return TrainConfig.__dataclass_fields__[name].default
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="mxd-lens", description="Sparse MLP replacements for TransformerLens models."
@@ -254,10 +275,11 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--train-tokens", type=int, help="training tokens (default 262,144; 8,192 with --quick)"
     )
+    demo.add_argument("--epochs", type=float, default=2.0, help="passes over the training tokens (default 2)")
     demo.add_argument("--eval-tokens", type=int, help="held-out tokens (default 12,800; 1,024 with --quick)")
     demo.add_argument("--context-size", type=int, default=128, help="tokens per row (default 128)")
     demo.add_argument(
-        "--batch-tokens", type=int, help="tokens per training step (default 2,048; 1,024 with --quick)"
+        "--batch-tokens", type=int, help="tokens per training step (default 1,024; 256 with --quick)"
     )
     demo.add_argument("--out", default="results/demo", help="output folder (default results/demo)")
     demo.set_defaults(func=_demo)
@@ -297,6 +319,12 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--cache", help="activation cache folder from `mxd-lens cache` (no model needed)")
     train.add_argument("--layers", type=int, nargs="+", help="layers to train (default: all the cache holds)")
     train.add_argument(
+        "--shuffle",
+        choices=["global", "block"],
+        default="global",
+        help="with --cache: permute all of it every epoch (default), or read it block by block as a live stream",
+    )
+    train.add_argument(
         "--arch",
         nargs="+",
         default=["mxd", "transcoder"],
@@ -320,27 +348,58 @@ def build_parser() -> argparse.ArgumentParser:
         help="'mlp': MxD's E and D start as the host MLP's",
     )
     train.add_argument(
-        "--init-b-dec",
-        default="zero",
-        choices=["zero", "target_mean"],
-        help="output bias init (default zero)",
+        "--init-b-dec", choices=["zero", "target_mean"], help="output bias init (default zero)"
     )
-    train.add_argument("--tokens", type=int, required=True, help="training tokens")
-    train.add_argument(
-        "--batch-tokens", type=int, default=4096, help="tokens per step, across all ranks (default 4096)"
+    budget = train.add_mutually_exclusive_group(required=True)
+    budget.add_argument(
+        "--tokens", type=int, help="training tokens (more than a cache holds: several epochs)"
     )
-    train.add_argument("--lr", type=float, default=4e-4, help="Adam learning rate (default 4e-4)")
-    train.add_argument("--warmup", type=int, default=5000, help="linear warmup steps (default 5000)")
+    budget.add_argument("--epochs", type=float, help="passes over the activation cache (--cache only)")
     train.add_argument(
-        "--objective", default="nmse", choices=["nmse", "paper"], help="training loss (default nmse)"
+        "--batch-tokens",
+        type=int,
+        help=f"tokens per step, across all ranks (default {_default('batch_tokens')})",
     )
-    train.add_argument("--seed", type=int, default=0, help="seed of initialisation and shuffling (default 0)")
+    train.add_argument("--lr", type=float, help=f"Adam learning rate (default {_default('lr')})")
     train.add_argument(
-        "--dead-window", type=int, default=1_000_000, help="tokens without firing that make a unit dead"
+        "--warmup",
+        type=int,
+        help=f"linear warmup steps (default {_default('warmup_fraction'):.0%} of the steps)",
     )
-    train.add_argument("--log-every", type=int, default=25, help="steps between metric logs (default 25)")
     train.add_argument(
-        "--checkpoint-every", type=int, default=500, help="steps between checkpoints, 0 = none (default 500)"
+        "--lr-schedule",
+        choices=["constant", "linear", "cosine"],
+        help=f"after warmup: constant, or decay over the last {_default('decay_fraction'):.0%} of the run "
+        f"(default {_default('lr_schedule')})",
+    )
+    train.add_argument(
+        "--objective", choices=["nmse", "paper"], help=f"training loss (default {_default('objective')})"
+    )
+    train.add_argument(
+        "--normalize",
+        choices=["none", "input", "input_output"],
+        help="scale activations to E||x||^2 = d (folded into the saved weights; default "
+        f"{_default('normalize')})",
+    )
+    train.add_argument(
+        "--aux-coefficient",
+        type=float,
+        help=f"AuxK loss weight for dead units, 0 = off (default {_default('aux_coefficient'):.4g})",
+    )
+    train.add_argument("--k-aux", type=int, help="dead units in the AuxK loss (default d_model / 2)")
+    train.add_argument("--seed", type=int, help="seed of initialisation and shuffling (default 0)")
+    train.add_argument(
+        "--dead-window",
+        type=int,
+        help="tokens without firing that make a unit dead (default: the run's tokens / 8, at most 1M)",
+    )
+    train.add_argument(
+        "--log-every", type=int, help=f"steps between metric logs (default {_default('log_every')})"
+    )
+    train.add_argument(
+        "--checkpoint-every",
+        type=int,
+        help=f"steps between checkpoints, 0 = none (default {_default('checkpoint_every')})",
     )
     train.add_argument("--resume", action="store_true", help="continue from OUT/checkpoints/latest")
     train.add_argument("--device", default="cpu", help="device for the learners (default cpu)")

@@ -1,24 +1,39 @@
 """Train many MLP replacements from one activation stream: MxD, transcoders, skip transcoders, several
 K and several layers, each learner with its own Adam, all fed by the same batches.
 
-A step: for every learner, ``out = layer(x)`` on the sparse path, the loss against the MLP output,
-backward, (unit-norm upkeep of decoder rows: the gradient component parallel to each row removed
-before Adam, rows renormalised after), Adam with linear warmup then a constant rate.
+The loss lives in the layers (``MLPReplacement.training_forward_pass``: reconstruction and AuxK); this
+trainer is generic over them. A step, for every learner: the layer's loss terms on the batch, backward,
+gradients averaged over data-parallel ranks, the gradient component parallel to each unit-norm decoder
+row removed, Adam at the scheduled rate, decoder rows renormalised.
 
-Losses: ``"nmse"`` (default) is sum_d (y_hat - y)^2 per token, averaged over tokens and divided by a
-constant, the per-token variance of the target on the first batch, so it reads as FVU and, being a
-mean of per-token terms, splits exactly over data-parallel ranks. ``"paper"`` is the reference code's
-mean_{b,d} (y_hat - y)^2 / ||y_b||. FVU (sum of squared errors over the batch's total variance), the
-paper's loss, L0 and the dead fraction are logged for every learner whatever the objective.
+The recipe (defaults, chosen from the measurements in docs/training.md):
 
-Checkpoints hold each learner (SAELens format), its optimizer state and counters, and the stream
-position (block, batch); they are written to a temporary folder and renamed, and ``latest`` names the
-newest whole one. Resuming restores everything, so a killed run ends bit-identical to an unbroken one.
+- **Activation normalisation** (``normalize``, as SAELens's ``normalize_activations``): inputs, and by
+  default targets, are scaled by constants estimated on the first ``norm_tokens`` tokens so that
+  E||x||^2 = d_in (E||y||^2 = d_out). Layers train on scaled activations; the scales are folded into
+  the saved weights (``fold_activation_scales``), so a saved layer reads the raw MLP input and writes
+  the raw MLP output.
+- **Epochs over a cache**: ``epochs`` (or ``total_tokens`` beyond one pass) re-reads a cache under a
+  fresh global shuffle each epoch; a live stream is read once.
+- **AuxK** (``aux_coefficient`` 1/32, ``k_aux`` d_out / 2): units that have not fired in the last
+  ``dead_window_tokens`` learn to reconstruct the residual error (see ``mxd_lens.firing`` for "dead").
+- **Learning rate**: linear warmup over ``warmup_steps`` (default ``warmup_fraction`` of the run),
+  then constant, or with ``lr_schedule`` "linear"/"cosine" a decay over the last ``decay_fraction`` of
+  the run to ``lr_floor`` x lr.
+
+Checkpoints hold each learner (SAELens format, scales folded, so a checkpoint's layer is usable as it
+is), its exact training weights, optimizer state and counters, and the stream offset; they are written
+to a temporary folder and renamed, and ``latest`` names the newest whole one. Resuming restores
+everything, so a killed run ends bit-identical to an unbroken one.
 """
 
 from __future__ import annotations
 
+import copy
 import json
+import math
+import sys
+import warnings
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -30,6 +45,7 @@ from tqdm.auto import tqdm
 
 from mxd_lens.activations import CachedActivations, ModelActivations, StreamInfo, shuffled_batches
 from mxd_lens.checkpoints import CheckpointError, latest_checkpoint, save_checkpoint_dir  # noqa: F401 (CheckpointError re-exported)
+from mxd_lens.firing import FiringTracker
 from mxd_lens.layers import (
     MLPReplacement,
     MxD,
@@ -42,6 +58,8 @@ from mxd_lens.layers import (
 from mxd_lens.matching import match_experts
 
 ARCHITECTURES = ("mxd", "transcoder", "skip_transcoder")
+NORMALIZATIONS = ("none", "input", "input_output")
+SCHEDULES = ("constant", "linear", "cosine")
 
 
 class TrainingDiverged(FloatingPointError):
@@ -79,37 +97,109 @@ class LearnerSpec:
 
 @dataclass
 class TrainConfig:
-    """Paper defaults: Adam, lr 4e-4 (1e-4 for its GPT-2 MxD), 5,000 warmup steps, 4,096 tokens a step."""
+    """How to train. Give ``total_tokens`` or ``epochs`` (passes over a cache); the other defaults are
+    the recipe measured in docs/training.md (the paper's GPT-2 setting, for reference: lr 1e-4 to 4e-4,
+    5,000 warmup steps, 4,096 tokens a step, 480M tokens, no normalisation, no AuxK)."""
 
-    total_tokens: int
-    batch_tokens: int = 4096
-    lr: float = 4e-4
-    warmup_steps: int = 5000
+    total_tokens: int | None = None
+    epochs: float | None = None
+    batch_tokens: int = 1024
+    lr: float = 2e-3
+    warmup_steps: int | None = None  # None: warmup_fraction of the steps
+    warmup_fraction: float = 0.05
+    lr_schedule: Literal["constant", "linear", "cosine"] = "linear"
+    decay_fraction: float = 0.2  # the last part of the run over which the rate decays
+    lr_floor: float = 0.1  # the rate at the end of the decay, as a fraction of lr
     betas: tuple[float, float] = (0.9, 0.999)
     objective: Literal["nmse", "paper"] = "nmse"
+    normalize: Literal["none", "input", "input_output"] = "input_output"
+    norm_tokens: int = 65_536  # tokens at the start of the stream that estimate the scales
+    aux_coefficient: float = 1 / 32
+    k_aux: int | None = None  # None: d_out // 2 (Gao et al. 2024)
+    dead_window_tokens: int | None = None  # None: total tokens / 8, at most 1M
     init_b_dec: Literal["zero", "target_mean"] = "zero"
     seed: int = 0
-    dead_window_tokens: int = 1_000_000
     log_every: int = 25
     checkpoint_every: int = 500  # steps; 0: only the final weights
     keep_checkpoints: int = 2
     wandb_project: str | None = None
 
     def __post_init__(self) -> None:
-        if self.batch_tokens <= 0 or self.total_tokens < self.batch_tokens:
-            raise ValueError(f"need 0 < batch_tokens={self.batch_tokens} <= total_tokens={self.total_tokens}")
-        if self.objective not in ("nmse", "paper"):
-            raise ValueError(f"objective {self.objective!r}: choose 'nmse' or 'paper'")
-        if not self.lr > 0 or self.warmup_steps < 0:
-            raise ValueError(f"lr={self.lr} must be > 0 and warmup_steps={self.warmup_steps} >= 0")
+        if (self.total_tokens is None) == (self.epochs is None):
+            raise ValueError(
+                f"give exactly one of total_tokens={self.total_tokens} and epochs={self.epochs} "
+                "(epochs: passes over an activation cache)"
+            )
+        if self.batch_tokens <= 0:
+            raise ValueError(f"batch_tokens={self.batch_tokens} must be positive")
+        if self.total_tokens is not None and self.total_tokens < self.batch_tokens:
+            raise ValueError(
+                f"total_tokens={self.total_tokens} is less than one batch of {self.batch_tokens}"
+            )
+        if self.epochs is not None and not self.epochs > 0:
+            raise ValueError(f"epochs={self.epochs} must be > 0")
+        for name, choices in (
+            ("objective", ("nmse", "paper")),
+            ("normalize", NORMALIZATIONS),
+            ("lr_schedule", SCHEDULES),
+        ):
+            if getattr(self, name) not in choices:
+                raise ValueError(f"{name}={getattr(self, name)!r}: choose one of {choices}")
+        if not self.lr > 0:
+            raise ValueError(f"lr={self.lr} must be > 0")
+        if self.warmup_steps is not None and self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps={self.warmup_steps} must be >= 0")
+        for name in ("warmup_fraction", "decay_fraction", "lr_floor"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be in [0, 1]")
+        if self.aux_coefficient < 0:
+            raise ValueError(f"aux_coefficient={self.aux_coefficient} must be >= 0 (0 turns AuxK off)")
+        if self.k_aux is not None and self.k_aux <= 0:
+            raise ValueError(f"k_aux={self.k_aux} must be positive (aux_coefficient=0 turns AuxK off)")
+        if self.dead_window_tokens is not None and self.dead_window_tokens <= 0:
+            raise ValueError(f"dead_window_tokens={self.dead_window_tokens} must be positive")
+        if self.norm_tokens <= 0:
+            raise ValueError(f"norm_tokens={self.norm_tokens} must be positive")
         self.betas = tuple(self.betas)
 
-    @property
-    def total_steps(self) -> int:
-        return self.total_tokens // self.batch_tokens
+    def tokens_for(self, epoch_tokens: int | None) -> int:
+        """Training tokens (whole batches) for a stream whose one pass holds ``epoch_tokens``."""
+        if self.epochs is not None:
+            if epoch_tokens is None:
+                raise ValueError(
+                    "epochs need an activation cache (a live model stream is read once and its length is not "
+                    "known up front): write one with `mxd-lens cache`, or give total_tokens"
+                )
+            tokens = int(self.epochs * epoch_tokens)
+        else:
+            tokens = int(self.total_tokens)
+        steps = tokens // self.batch_tokens
+        if steps == 0:
+            raise ValueError(f"{tokens} tokens make no batch of {self.batch_tokens}")
+        return steps * self.batch_tokens
 
-    def lr_at(self, step: int) -> float:
-        return self.lr * min(1.0, (step + 1) / self.warmup_steps) if self.warmup_steps else self.lr
+    def warmup_for(self, total_steps: int) -> int:
+        if self.warmup_steps is not None:
+            return self.warmup_steps
+        return max(1, round(self.warmup_fraction * total_steps))
+
+    def lr_at(self, step: int, total_steps: int) -> float:
+        """The rate of step ``step`` (0-based) of ``total_steps``: warmup, constant, optional decay."""
+        warmup = self.warmup_for(total_steps)
+        factor = min(1.0, (step + 1) / warmup) if warmup else 1.0
+        if self.lr_schedule != "constant" and self.decay_fraction > 0:
+            decay_steps = max(1, round(self.decay_fraction * total_steps))
+            begin = total_steps - decay_steps
+            if step >= begin:
+                t = min(1.0, (step - begin + 1) / decay_steps)
+                shape = t if self.lr_schedule == "linear" else (1 - math.cos(math.pi * t)) / 2
+                factor *= 1 - (1 - self.lr_floor) * shape
+        return self.lr * factor
+
+    def dead_window_for(self, total_tokens: int) -> int:
+        if self.dead_window_tokens is not None:
+            return self.dead_window_tokens
+        return max(self.batch_tokens, min(1_000_000, total_tokens // 8))
 
 
 def build_layer(
@@ -151,9 +241,9 @@ def build_layer(
 @dataclass
 class _Learner:
     spec: LearnerSpec
-    layer: MLPReplacement
+    layer: MLPReplacement  # trains on scaled activations; ``Trainer.trained_layers`` gives raw-scale copies
     optimizer: torch.optim.Adam
-    last_fired: torch.Tensor  # [d_sae] tokens seen when the unit last fired, -1: never
+    firing: FiringTracker
     history: list[dict[str, float]] = field(default_factory=list)
 
 
@@ -162,7 +252,8 @@ class Trainer:
 
     ``model`` is only needed for ``init="mlp"``. Under ``torchrun`` each rank takes its slice of
     every global batch and gradients are averaged, so N ranks compute the single-process step on the
-    same global batch; rank 0 logs and writes.
+    same global batch; rank 0 logs and writes. ``progress=False`` prints the metrics as text lines
+    every ``log_every`` steps instead of a progress bar.
     """
 
     def __init__(
@@ -187,70 +278,109 @@ class Trainer:
         self.rank, self.world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
         if config.batch_tokens % self.world:
             raise ValueError(f"batch_tokens={config.batch_tokens} must divide over {self.world} ranks")
+        self.epoch_tokens = getattr(source, "epoch_tokens", None)
+        self.total_tokens = config.tokens_for(self.epoch_tokens)
+        self.total_steps = self.total_tokens // config.batch_tokens
+        self.dead_window = config.dead_window_for(self.total_tokens)
+        self._check_budget()
+        self.k_aux = config.k_aux if config.k_aux is not None else max(1, source.info.d_out // 2)
         self.learners: dict[str, _Learner] = {}
         for i, spec in enumerate(specs):
             layer = build_layer(spec, source.info, seed=config.seed * 7919 + i, device=device)
+            if config.aux_coefficient > 0 and self.k_aux > layer.cfg.d_sae - spec.k:
+                raise ValueError(
+                    f"{spec.name}: k_aux={self.k_aux} exceeds the {layer.cfg.d_sae - spec.k} units outside "
+                    f"the TopK (d_sae={layer.cfg.d_sae}, k={spec.k}); lower k_aux"
+                )
             if spec.init == "mlp":
                 if model is None:
                     raise ValueError(f"{spec.name}: init='mlp' needs the model")
-                layer.copy_hidden_from_mlp(model, spec.layer)
+                layer.copy_hidden_from_mlp(model, spec.layer)  # rescaled once the scales are known
             # The fused Adam kernel is ~5x faster on CPU for tens of millions of parameters.
-            optimizer = torch.optim.Adam(
-                layer.parameters(), lr=config.lr_at(0), betas=config.betas, fused=True
+            optimizer = torch.optim.Adam(layer.parameters(), lr=self.lr_at(0), betas=config.betas, fused=True)
+            self.learners[spec.name] = _Learner(
+                spec, layer, optimizer, FiringTracker(layer.cfg.d_sae, device)
             )
-            last_fired = torch.full((layer.cfg.d_sae,), -1, dtype=torch.long, device=self.device)
-            self.learners[spec.name] = _Learner(spec, layer, optimizer, last_fired)
         self.step = 0
         self.tokens_seen = 0
-        self.position = (0, 0)
-        self.target_scale: dict[int, float] = {}
+        self.scales: dict[int, tuple[float, float]] = {}  # layer -> (input scale, output scale)
+        self.loss_scale: dict[int, float] = {}  # layer -> per-token variance of the (scaled) target
+
+    def lr_at(self, step: int) -> float:
+        return self.config.lr_at(step, self.total_steps)
+
+    def _check_budget(self) -> None:
+        """Say up front what the token budget means for the stream, before any work is done."""
+        if self.epoch_tokens is None or self.rank:
+            return
+        epochs = self.total_tokens / self.epoch_tokens
+        if epochs > 10:
+            warnings.warn(
+                f"{self.total_tokens:,} training tokens read the cache {epochs:.1f} times ({self.epoch_tokens:,} "
+                "tokens in it): more than 10 epochs risks overfitting it; cache more text",
+                stacklevel=3,
+            )
+        elif epochs > 1:
+            print(
+                f"note: {self.total_tokens:,} training tokens are {epochs:.2f} epochs over the cache "
+                f"({self.epoch_tokens:,} tokens), each under a new shuffle",
+                file=sys.stderr,
+            )
+        if self.total_steps < 100:
+            warnings.warn(
+                f"{self.total_steps} steps of {self.config.batch_tokens} tokens barely pass initialisation; "
+                "use more tokens or epochs, or smaller batches",
+                stacklevel=3,
+            )
 
     # -- the loop ----------------------------------------------------------------------------------
     def fit(self, resume: bool = False) -> dict[str, dict[str, float]]:
-        """Train to ``total_tokens``; with ``resume`` continue from the latest checkpoint in out_dir."""
+        """Train to the token budget; with ``resume`` continue from the latest checkpoint in out_dir."""
         if resume:
             self.load_checkpoint()
         cfg = self.config
         wandb_run = self._wandb() if self.rank == 0 else None
         bar = tqdm(
-            total=cfg.total_steps,
+            total=self.total_steps,
             initial=self.step,
             desc="training",
             unit="step",
-            disable=not self.progress or self.rank,
+            disable=not self.progress or bool(self.rank),
         )
-        stream = shuffled_batches(self.source, cfg.batch_tokens, cfg.seed, start=self.position)
         last: dict[str, dict[str, float]] = {}
-        # Never pull a batch past the last step: at a block boundary that would compute a whole block.
-        for (block, batch_index), batch in stream if self.step < cfg.total_steps else ():
-            if self.step == 0:
-                self._first_batch(batch)
-            lo, hi = (
-                self.rank * cfg.batch_tokens // self.world,
-                (self.rank + 1) * cfg.batch_tokens // self.world,
-            )
-            for name, learner in self.learners.items():
-                x, y = batch[learner.spec.layer]
-                last[name] = self._train_step(learner, x[lo:hi].to(self.device), y[lo:hi].to(self.device))
-            self.step += 1
-            self.tokens_seen += cfg.batch_tokens
-            self.position = (block, batch_index + 1)
-            for name, metrics in last.items():
-                metrics["dead_fraction"] = self._dead_fraction(self.learners[name])
-            if self.step % cfg.log_every == 0 or self.step == cfg.total_steps:
-                self._log(last, bar, wandb_run)
-            bar.update(1)
-            if cfg.checkpoint_every and (
-                self.step % cfg.checkpoint_every == 0 or self.step == cfg.total_steps
-            ):
-                self.save_checkpoint()
-            if self.step >= cfg.total_steps:
-                break
+        if self.step < self.total_steps:
+            stream = shuffled_batches(self.source, cfg.batch_tokens, cfg.seed, start=self.tokens_seen)
+            if not self.scales:
+                stream = self._estimate_scales(stream)
+            lo = self.rank * cfg.batch_tokens // self.world
+            hi = (self.rank + 1) * cfg.batch_tokens // self.world
+            for batch in stream:
+                for name, learner in self.learners.items():
+                    x, y = batch[learner.spec.layer]
+                    s_in, s_out = self.scales[learner.spec.layer]
+                    x, y = x[lo:hi].to(self.device), y[lo:hi].to(self.device)
+                    last[name] = self._train_step(learner, x * s_in, y * s_out)
+                self.step += 1
+                self.tokens_seen += cfg.batch_tokens
+                for name, metrics in last.items():
+                    metrics["dead_fraction"] = self.learners[name].firing.dead_fraction(self.dead_window)
+                    metrics["lr"] = self.lr_at(self.step - 1)
+                if self.step % cfg.log_every == 0 or self.step == self.total_steps:
+                    self._log(last, bar, wandb_run)
+                bar.update(1)
+                if cfg.checkpoint_every and (
+                    self.step % cfg.checkpoint_every == 0 or self.step == self.total_steps
+                ):
+                    self.save_checkpoint()
+                if self.step >= self.total_steps:
+                    break
         bar.close()
-        if self.step < cfg.total_steps:
+        if self.step < self.total_steps:
+            saved = self.save_checkpoint() if cfg.checkpoint_every else None
             raise ValueError(
-                f"the activation stream ran out after {self.step} of {cfg.total_steps} steps "
-                f"({self.tokens_seen:,} tokens): give more text or a larger cache, or lower total_tokens"
+                f"the activation stream ran out after {self.step} of {self.total_steps} steps "
+                f"({self.tokens_seen:,} tokens; {'checkpoint ' + str(saved) if saved else 'no checkpoint'}): "
+                "give more text, or cache it (`mxd-lens cache`) and train for several epochs"
             )
         if wandb_run is not None:
             wandb_run.finish()
@@ -259,79 +389,100 @@ class Trainer:
         self.save_final(last)
         return last
 
-    def _first_batch(self, batch: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Loss scale from the whole global batch (same on every rank); optional b_dec = target mean."""
-        for layer, (_, y) in batch.items():
-            self.target_scale[layer] = float((y - y.mean(0)).pow(2).sum(-1).mean())
-        if self.config.init_b_dec == "target_mean":
+    def _estimate_scales(self, stream):
+        """Scales (and the loss's target variance) from the first ``norm_tokens`` tokens of the global
+        stream, the same on every rank; then train on those batches and go on."""
+        cfg = self.config
+        head = []
+        for batch in stream:
+            head.append(batch)
+            if len(head) * cfg.batch_tokens >= min(cfg.norm_tokens, self.total_tokens):
+                break
+        if not head:
+            return iter(())
+        for layer in head[0]:
+            x = torch.cat([b[layer][0] for b in head]).double()
+            y = torch.cat([b[layer][1] for b in head]).double()
+            s_in = s_out = 1.0
+            if cfg.normalize != "none":
+                s_in = float((x.shape[-1] / x.pow(2).sum(-1).mean()).sqrt())
+            if cfg.normalize == "input_output":
+                s_out = float((y.shape[-1] / y.pow(2).sum(-1).mean()).sqrt())
+            if not all(math.isfinite(s) and s > 0 for s in (s_in, s_out)):
+                raise FloatingPointError(f"layer {layer}: activation scales {s_in}, {s_out} are not usable")
+            self.scales[layer] = (s_in, s_out)
+            self.loss_scale[layer] = float(((y - y.mean(0)) * s_out).pow(2).sum(-1).mean())
+        with torch.no_grad():
+            for learner in self.learners.values():
+                if learner.spec.init == "mlp":  # the host MLP reads raw x: on scaled x, E / s_in, D * s_out
+                    s_in, s_out = self.scales[learner.spec.layer]
+                    learner.layer.W_in.div_(s_in)
+                    if learner.layer.cfg.hidden_form == "glu":
+                        learner.layer.W_in_gate.div_(s_in)
+                    learner.layer.W_out.mul_(s_out)
+        if cfg.init_b_dec == "target_mean":
             with torch.no_grad():
                 for learner in self.learners.values():
-                    learner.layer.b_dec.copy_(batch[learner.spec.layer][1].mean(0).to(self.device))
+                    L = learner.spec.layer
+                    mean = torch.cat([b[L][1] for b in head]).double().mean(0) * self.scales[L][1]
+                    learner.layer.b_dec.copy_(mean.to(learner.layer.b_dec))
+        return _chain(head, stream)
 
     def _train_step(self, learner: _Learner, x: torch.Tensor, y: torch.Tensor) -> dict[str, float]:
         layer, cfg = learner.layer, self.config
-        out, values, indices = layer.forward_sparse(x)
-        err = out - y
-        sq = err.pow(2)
-        paper = (sq / y.norm(dim=-1, keepdim=True).clamp_min(1e-12)).mean()
-        loss = (
-            paper
-            if cfg.objective == "paper"
-            else sq.sum(-1).mean() / max(self.target_scale[learner.spec.layer], 1e-12)
+        dead = learner.firing.dead_mask(self.dead_window) if cfg.aux_coefficient > 0 else None
+        out = layer.training_forward_pass(
+            x,
+            y,
+            loss_scale=self.loss_scale[learner.spec.layer],
+            objective=cfg.objective,
+            dead_mask=dead,
+            k_aux=self.k_aux,
+            aux_coefficient=cfg.aux_coefficient,
         )
-        if not torch.isfinite(loss):
+        if not torch.isfinite(out.loss):
             raise TrainingDiverged(
-                f"{learner.spec.name}: loss is {loss.item()} at step {self.step}; the last good checkpoint is "
+                f"{learner.spec.name}: loss is {out.loss.item()} at step {self.step}; the last good checkpoint is "
                 f"{self.latest_checkpoint() or 'none (no checkpoint written yet)'}; try a lower lr"
             )
         learner.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        out.loss.backward()
         if self.world > 1:
             for p in layer.parameters():
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
                 dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
                 p.grad.div_(self.world)
         if learner.spec.normalizes_decoder:
             _remove_parallel_grad(layer.W_dec)
         for group in learner.optimizer.param_groups:
-            group["lr"] = cfg.lr_at(self.step)
+            group["lr"] = self.lr_at(self.step)
         learner.optimizer.step()
         if learner.spec.normalizes_decoder:
             _normalize_rows(layer.W_dec)
         with torch.no_grad():
-            fired = indices[values > 0]
-            learner.last_fired[fired] = self.tokens_seen + cfg.batch_tokens
+            learner.firing.update(out.values, out.indices, n_tokens=self.config.batch_tokens)
             if self.world > 1:
-                dist.all_reduce(learner.last_fired, op=dist.ReduceOp.MAX)
-            total_var = (y - y.mean(0)).pow(2).sum()
-            return {
-                "loss": loss.item(),
-                "fvu": float(sq.sum() / total_var.clamp_min(1e-12)),
-                "paper_loss": paper.item(),
-                "l0": float((values > 0).sum(-1).float().mean()),
-            }
-
-    def _dead_fraction(self, learner: _Learner) -> float:
-        """Units that have not fired in the last ``dead_window_tokens`` tokens (before a whole window
-        has passed: units that never fired)."""
-        start = self.tokens_seen - self.config.dead_window_tokens
-        return (
-            float((learner.last_fired <= start).float().mean())
-            if start >= 0
-            else float((learner.last_fired < 0).float().mean())
-        )
+                dist.all_reduce(learner.firing.last_fired, op=dist.ReduceOp.MAX)
+        return dict(out.metrics)
 
     def _log(self, last: dict[str, dict[str, float]], bar: Any, wandb_run: Any) -> None:
         for name, metrics in last.items():
             self.learners[name].history.append({"step": self.step, "tokens": self.tokens_seen, **metrics})
         if self.rank:
             return
-        bar.set_postfix_str(
-            " | ".join(
-                f"{name}: fvu {m['fvu']:.3f} l0 {m['l0']:.0f} dead {m['dead_fraction']:.2f}"
-                for name, m in last.items()
-            ),
-            refresh=False,
+        summary = " | ".join(
+            f"{name}: fvu {m['fvu']:.3f} l0 {m['l0']:.0f} dead {m['dead_fraction']:.2f}"
+            + (f" auxk {m['auxk']:.3f}" if "auxk" in m else "")
+            for name, m in last.items()
         )
+        if self.progress:
+            bar.set_postfix_str(summary, refresh=False)
+        else:
+            print(
+                f"step {self.step}/{self.total_steps} lr {self.lr_at(self.step - 1):.2e} | {summary}",
+                flush=True,
+            )
         if wandb_run is not None:
             wandb_run.log(
                 {f"{name}/{key}": value for name, m in last.items() for key, value in m.items()},
@@ -345,6 +496,31 @@ class Trainer:
 
         return wandb.init(project=self.config.wandb_project, config=asdict(self.config))
 
+    # -- the layers at raw scale -------------------------------------------------------------------
+    def trained_layers(self) -> dict[str, MLPReplacement]:
+        """Copies of every learner with the activation scales folded in: they read the raw MLP input
+        and write the raw MLP output, as saved, with the training record (config, tokens, scales,
+        data, last metrics) in ``cfg.metadata.training``. The learners themselves train on scaled
+        activations."""
+        layers = {}
+        for name, learner in self.learners.items():
+            layer = copy.deepcopy(learner.layer)
+            s_in, s_out = self.scales.get(learner.spec.layer, (1.0, 1.0))
+            layer.fold_activation_scales(s_in, s_out)
+            history = learner.history[-1] if learner.history else {}
+            layer.cfg.metadata.training = {
+                "config": asdict(self.config),
+                "learner": asdict(learner.spec),
+                "tokens": self.tokens_seen,
+                "steps": self.step,
+                "epochs": self.tokens_seen / self.epoch_tokens if self.epoch_tokens else None,
+                "normalization": {"input_scale": s_in, "output_scale": s_out, "folded": True},
+                "data": self.data_info,
+                "metrics": _metrics_only(history),
+            }
+            layers[name] = layer
+        return layers
+
     # -- checkpoints ------------------------------------------------------------------------------
     @property
     def checkpoint_dir(self) -> Path:
@@ -357,14 +533,16 @@ class Trainer:
         """Write the whole training state; on any failure the previous checkpoint stays ``latest``."""
         if self.rank:
             return None
+        folded = self.trained_layers()
 
         def fill(folder: Path) -> None:
             for name, learner in self.learners.items():
-                learner.layer.save_model(folder / name)
+                folded[name].save_model(folder / name)
                 torch.save(
                     {
+                        "weights": learner.layer.state_dict(),
                         "optimizer": learner.optimizer.state_dict(),
-                        "last_fired": learner.last_fired,
+                        "last_fired": learner.firing.last_fired,
                         "history": learner.history,
                     },
                     folder / name / "train_state.pt",
@@ -372,8 +550,8 @@ class Trainer:
             state = {
                 "step": self.step,
                 "tokens_seen": self.tokens_seen,
-                "position": list(self.position),
-                "target_scale": {str(k): v for k, v in self.target_scale.items()},
+                "scales": {str(k): list(v) for k, v in self.scales.items()},
+                "loss_scale": {str(k): v for k, v in self.loss_scale.items()},
                 "config": asdict(self.config),
                 "learners": {name: asdict(learner.spec) for name, learner in self.learners.items()},
             }
@@ -392,50 +570,59 @@ class Trainer:
                 f"{path} trained other learners ({sorted(state['learners'])}) than asked ({sorted(ours)})"
             )
         saved, asked = dict(state["config"]), asdict(self.config)
-        for free in ("total_tokens", "log_every", "checkpoint_every", "keep_checkpoints", "wandb_project"):
-            saved.pop(free), asked.pop(free)
+        free = (
+            "total_tokens",
+            "epochs",
+            "log_every",
+            "checkpoint_every",
+            "keep_checkpoints",
+            "wandb_project",
+        )
+        for key in free:
+            saved.pop(key, None), asked.pop(key, None)
         saved["betas"] = tuple(saved["betas"])
         if saved != asked:
-            diff = {k: (saved[k], asked[k]) for k in saved if saved[k] != asked[k]}
+            diff = {
+                k: (saved.get(k), asked.get(k))
+                for k in set(saved) | set(asked)
+                if saved.get(k) != asked.get(k)
+            }
             raise ValueError(f"{path} was trained with other settings (checkpoint, asked): {diff}")
-        from safetensors.torch import load_file
-
         for name, learner in self.learners.items():
-            weights = load_file(path / name / "sae_weights.safetensors")
-            with torch.no_grad():
-                for key, param in learner.layer.state_dict().items():
-                    param.copy_(weights[key])
             train_state = torch.load(
                 path / name / "train_state.pt", weights_only=True, map_location=self.device
             )
+            with torch.no_grad():
+                for key, param in learner.layer.state_dict().items():
+                    param.copy_(train_state["weights"][key])
             learner.optimizer.load_state_dict(train_state["optimizer"])
-            learner.last_fired = train_state["last_fired"]
+            learner.firing.last_fired = train_state["last_fired"]
+            learner.firing.tokens = state["tokens_seen"]
             learner.history = train_state["history"]
         self.step, self.tokens_seen = state["step"], state["tokens_seen"]
-        self.position = tuple(state["position"])
-        self.target_scale = {int(k): v for k, v in state["target_scale"].items()}
+        self.scales = {int(k): tuple(v) for k, v in state["scales"].items()}
+        self.loss_scale = {int(k): v for k, v in state["loss_scale"].items()}
 
     def save_final(self, metrics: dict[str, dict[str, float]]) -> dict[str, Path]:
-        """Each learner in SAELens format under ``out_dir/final/NAME`` with the training config, the
-        token count and the last metrics in ``cfg.metadata.training``."""
+        """Each learner in SAELens format under ``out_dir/final/NAME`` (``trained_layers``: scales
+        folded in, the training record and ``metrics`` in ``cfg.metadata.training``)."""
         if self.rank:
             return {}
         paths = {}
-        for name, learner in self.learners.items():
-            learner.layer.cfg.metadata.training = {
-                "config": asdict(self.config),
-                "learner": asdict(learner.spec),
-                "tokens": self.tokens_seen,
-                "steps": self.step,
-                "data": self.data_info,
-                "metrics": metrics.get(name, {}),
-            }
+        for name, layer in self.trained_layers().items():
+            if name in metrics:
+                layer.cfg.metadata.training["metrics"] = metrics[name]
             paths[name] = self.out_dir / "final" / name
-            learner.layer.save_model(paths[name])
+            layer.save_model(paths[name])
         (self.out_dir / "final" / "metrics.json").write_text(
             json.dumps({name: learner.history for name, learner in self.learners.items()}, indent=1)
         )
         return paths
+
+
+def _chain(head, stream):
+    yield from head
+    yield from stream
 
 
 def _metrics_only(record: dict[str, float]) -> dict[str, float]:

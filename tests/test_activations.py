@@ -122,29 +122,89 @@ def test_cache_from_another_setup_is_refused(tmp_path):
         )
 
 
-def test_shuffled_batches_permute_inputs_and_targets_together():
+def _take(stream, n):
+    return [b for _, b in zip(range(n), stream, strict=False)]
+
+
+def _rows_as_set(x: torch.Tensor) -> list[tuple[float, ...]]:
+    return sorted(map(tuple, x.tolist()))
+
+
+def test_live_batches_permute_pairs_together_and_run_across_blocks():
     model = make_model("gpt2")
-    source = ModelActivations(model, [1], random_rows(), context_size=12, rows_per_block=8)
+    source = ModelActivations(
+        model, [1], random_rows(), context_size=12, rows_per_block=8
+    )  # 88 tokens a block
     mlp = model.blocks[1].mlp
-    seen = []
-    for (block, batch), acts in shuffled_batches(source, batch_tokens=20, seed=3):
-        if block == 2:
-            break
+    batches = _take(shuffled_batches(source, batch_tokens=20, seed=3), 13)  # 260 tokens: ~3 blocks
+    for acts in batches:
         x, y = acts[1]
+        assert x.shape == (20, 16)
         with torch.no_grad():
             torch.testing.assert_close(mlp(x), y, rtol=1e-5, atol=1e-5)  # each pair still belongs together
-        seen.append((block, batch))
-        if (block, batch) == (0, 0):
-            first = x
-    assert seen == [(b, i) for b in (0, 1) for i in range(88 // 20)]
-    block0 = next(source.blocks())[1][0]
-    assert not torch.equal(first, block0[:20])  # shuffled
-    assert all((first[:, None] == block0[None]).all(-1).any(-1))  # drawn from block 0
-    again = next(iter(shuffled_batches(source, 20, seed=3, start=(0, 0))))[1][1][0]
-    other = next(iter(shuffled_batches(source, 20, seed=4, start=(0, 0))))[1][1][0]
-    assert torch.equal(again, first) and not torch.equal(other, first)
-    resumed = next(iter(shuffled_batches(source, 20, seed=3, start=(1, 2))))
-    assert resumed[0] == (1, 2)
+    blocks = list(zip(range(2), source.blocks(), strict=False))
+    seen = torch.cat([b[1][0] for b in batches])
+    for i, (_, block) in enumerate(blocks):  # tokens 88 i .. 88 (i + 1) are block i, permuted; none dropped
+        part = seen[88 * i : 88 * (i + 1)]
+        assert not torch.equal(part, block[1][0]) and _rows_as_set(part) == _rows_as_set(block[1][0])
+    other = next(iter(shuffled_batches(source, 20, seed=4)))[1][0]
+    assert not torch.equal(other, batches[0][1][0])
+    # Resuming at any batch gives the batches of the unbroken stream, bit for bit.
+    for step in (1, 4, 8, 12):
+        resumed = next(iter(shuffled_batches(source, 20, seed=3, start=20 * step)))
+        assert torch.equal(resumed[1][0], batches[step][1][0]) and torch.equal(
+            resumed[1][1], batches[step][1][1]
+        )
+
+
+def _cache(tmp_path, blocks=5, rows=4, context=12):
+    model = make_model("gated")
+    source = ModelActivations(model, [0, 1], random_rows(), context_size=context, rows_per_block=rows)
+    write_cache(source, tmp_path / "cache", n_blocks=blocks, progress=False)
+    return source, tmp_path / "cache"
+
+
+def test_global_shuffle_visits_every_token_once_per_epoch_in_a_new_order(tmp_path):
+    _, path = _cache(tmp_path)  # 5 blocks x 44 tokens = 220 tokens
+    cache = CachedActivations(path, buffer_tokens=40, chunk_tokens=10)  # windows of 4 chunks, across blocks
+    everything = torch.cat([b[1][0] for b in cache.blocks()])
+    assert cache.epoch_tokens == 220
+    batches = _take(shuffled_batches(cache, batch_tokens=22, seed=0), 30)  # three epochs
+    x = torch.cat([b[1][0] for b in batches])
+    epochs = [x[220 * e : 220 * (e + 1)] for e in range(3)]
+    for epoch in epochs:
+        assert _rows_as_set(epoch) == _rows_as_set(everything)  # each token exactly once
+    assert not torch.equal(epochs[0], epochs[1]) and not torch.equal(epochs[1], epochs[2])
+    # The first window mixes several blocks (a global shuffle, not a per-block one).
+    block_of = {row: i for i, b in enumerate(cache.blocks()) for row in map(tuple, b[1][0].tolist())}
+    assert len({block_of[row] for row in map(tuple, epochs[0][:40].tolist())}) >= 3
+    # Layers stay paired: y of layer 1 matches the x rows of layer 1 in the blocks.
+    pairs = {
+        tuple(a): tuple(b)
+        for blk in cache.blocks()
+        for a, b in zip(blk[1][0].tolist(), blk[1][1].tolist(), strict=True)
+    }
+    assert all(
+        pairs[tuple(a)] == tuple(b)
+        for a, b in zip(x[:100].tolist(), torch.cat([b[1][1] for b in batches])[:100].tolist(), strict=True)
+    )
+    # Resume anywhere, mid-window and mid-epoch: the same batches.
+    for step in (3, 7, 11, 25):
+        resumed = _take(shuffled_batches(cache, 22, seed=0, start=22 * step), 2)
+        for a, b in zip(resumed, batches[step : step + 2], strict=True):
+            assert torch.equal(a[0][0], b[0][0]) and torch.equal(a[1][1], b[1][1])
+
+
+def test_block_shuffle_of_a_cache_is_the_live_stream(tmp_path):
+    source, path = _cache(tmp_path, blocks=3)
+    live = torch.cat([b[0][0] for b in _take(shuffled_batches(source, 11, seed=5), 12)])
+    cached = torch.cat(
+        [b[0][0] for b in _take(shuffled_batches(CachedActivations(path, shuffle="block"), 11, seed=5), 12)]
+    )
+    assert torch.equal(live, cached)
+    with pytest.raises(ValueError, match="shuffle='random'"):
+        CachedActivations(path, shuffle="random")
+    assert CachedActivations(path, max_blocks=2).epoch_tokens == 88
 
 
 def test_non_finite_activations_stop_the_stream():
@@ -154,5 +214,5 @@ def test_non_finite_activations_stop_the_stream():
     source = ModelActivations(model, [0], random_rows(), context_size=12, rows_per_block=4)
     with pytest.raises(FloatingPointError, match="non-finite activations at layer 0 in block 0"):
         next(iter(shuffled_batches(source, 8, seed=0)))
-    with pytest.raises(ValueError, match="batch_tokens=100 must be in 1..44"):
-        next(iter(shuffled_batches(source, 100, seed=0)))
+    with pytest.raises(ValueError, match="batch_tokens=0"):
+        next(iter(shuffled_batches(source, 0, seed=0)))

@@ -42,7 +42,8 @@ def test_cache_then_train_from_it_equals_training_live(tmp_path, text_model, cap
         "32",
         "--no-progress",
     ]
-    assert main(["train", "--cache", str(tmp_path / "cache"), *learn, "--out", str(tmp_path / "a")]) == 0
+    cached = ["train", "--cache", str(tmp_path / "cache"), "--shuffle", "block"]
+    assert main([*cached, *learn, "--out", str(tmp_path / "a")]) == 0
     assert main(["train", *stream, "--layers", "1", *learn, "--out", str(tmp_path / "b")]) == 0
     out = capsys.readouterr().out
     names = sorted(p.name for p in (tmp_path / "a" / "final").iterdir() if p.is_dir())
@@ -89,7 +90,7 @@ def test_demo_runs_end_to_end(tmp_path, text_model, capsys):
     args += ["--context-size", "12", "--batch-tokens", "64", "--train-tokens", "640", "--eval-tokens", "120"]
     assert main([*args, "--out", str(tmp_path / "demo")]) == 0
     out = capsys.readouterr().out
-    assert "| MxD " in out and "| Transcoder " in out and "K = 2, 640 training tokens" in out
+    assert "| MxD " in out and "| Transcoder " in out and "K = 2, 1,280 training tokens (2 epochs)" in out
     assert (tmp_path / "demo" / "frontier.png").exists()
     assert sorted(p.name for p in (tmp_path / "demo" / "runs" / "final").iterdir() if p.is_dir()) == [
         "L1.mxd.k2.m8",

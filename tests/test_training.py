@@ -95,7 +95,7 @@ def test_same_seed_same_weights_other_seed_other_weights(tmp_path):
 def test_cache_and_live_model_train_identically(tmp_path):
     live = source("gated")
     write_cache(live, tmp_path / "cache", n_blocks=5, progress=False)
-    cached = CachedActivations(tmp_path / "cache")
+    cached = CachedActivations(tmp_path / "cache", shuffle="block")  # the live stream's order
     cfg = config(total_tokens=64 * 10, init_b_dec="target_mean", objective="paper")
     Trainer(SPECS, live, cfg, tmp_path / "live", progress=False).fit()
     Trainer(SPECS, cached, cfg, tmp_path / "cached", progress=False).fit()
@@ -187,12 +187,12 @@ def test_training_computes_only_the_blocks_it_uses(tmp_path):
         SPECS[:1], stream, config(total_tokens=64 * 6, checkpoint_every=2), tmp_path, progress=False
     )
     computed.clear()
-    resumed.fit(resume=True)  # continues at the end of block 1: block 2 is the only one computed
-    assert resumed.step == 6 and len(computed) == 1
+    resumed.fit(resume=True)  # continues 256 tokens in: block 1 (tokens 176-351) again, then block 2
+    assert resumed.step == 6 and len(computed) == 2
 
 
 def test_bad_configs_are_refused():
-    with pytest.raises(ValueError, match="batch_tokens=100 <= total_tokens=10"):
+    with pytest.raises(ValueError, match="total_tokens=10 is less than one batch of 100"):
         TrainConfig(total_tokens=10, batch_tokens=100)
     with pytest.raises(ValueError, match="arch 'sae' unknown"):
         LearnerSpec("sae", 0, 4)

@@ -37,12 +37,13 @@ class FrontierConfig:
     ks: list[int] = field(default_factory=lambda: [16, 32, 64])
     width_multiplier: int = 8
     archs: list[str] = field(default_factory=lambda: list(METHODS))
-    train_tokens: int = 1_000_000
+    train_tokens: int = 1_000_000  # tokens cached from the train split
+    epochs: float = 1.0  # passes over them
     eval_tokens: int = 25_600
     context_size: int = 128
-    batch_tokens: int = 4096
-    lr: float = 4e-4
-    warmup_steps: int | None = None  # None: 5% of the steps (the paper's 5,000 assume 117k steps)
+    batch_tokens: int = TrainConfig.batch_tokens
+    lr: float = TrainConfig.lr
+    warmup_steps: int | None = None  # None: the trainer's default fraction of the steps
     rows_per_block: int = 256
     eval_batch_rows: int = 8
     eval_fraction: float = 0.02
@@ -59,7 +60,7 @@ class FrontierConfig:
 
     @property
     def steps(self) -> int:
-        return self.train_tokens // self.batch_tokens
+        return int(self.epochs * self.train_tokens) // self.batch_tokens
 
 
 def eval_batches(model: Any, config: FrontierConfig) -> list[torch.Tensor]:
@@ -95,13 +96,7 @@ def run_frontier(
         rows_per_block=config.rows_per_block,
     )
     text_info = stream.text_info
-    # Each block yields tokens_per_block // batch_tokens whole batches (the rest of a block is dropped).
-    batches_per_block = stream.info.tokens_per_block // config.batch_tokens
-    if batches_per_block == 0:
-        raise ValueError(
-            f"batch_tokens={config.batch_tokens} exceeds a block's {stream.info.tokens_per_block} tokens"
-        )
-    n_blocks = math.ceil(config.steps / batches_per_block)
+    n_blocks = math.ceil(config.train_tokens / stream.info.tokens_per_block)
     write_cache(
         stream,
         out / "cache",
@@ -120,25 +115,23 @@ def run_frontier(
         for arch in config.archs
         for k in config.ks
     ]
-    warmup = config.warmup_steps if config.warmup_steps is not None else max(1, config.steps // 20)
     train_config = TrainConfig(
-        total_tokens=config.train_tokens,
+        total_tokens=config.steps * config.batch_tokens,
         batch_tokens=config.batch_tokens,
         lr=config.lr,
-        warmup_steps=warmup,
+        warmup_steps=config.warmup_steps,
         seed=config.seed,
         checkpoint_every=max(50, config.steps // 10),
         log_every=max(1, config.steps // 50),
-        dead_window_tokens=min(1_000_000, config.train_tokens // 2),
     )
     trainer = Trainer(specs, source, train_config, out / "runs", progress=progress, data_info=text_info)
     train_metrics = trainer.fit(resume=True)
 
     eval_info = {**text_info, "split": "eval"}
-    for learner in trainer.learners.values():
-        check_disjoint(learner.layer.cfg.metadata.training["data"], eval_info)
+    layers = {name: layer.eval() for name, layer in trainer.trained_layers().items()}
+    for layer in layers.values():
+        check_disjoint(layer.cfg.metadata.training["data"], eval_info)
     batches = eval_batches(model, config)
-    layers = {name: learner.layer.eval() for name, learner in trainer.learners.items()}
     rows_out = evaluate(model, layers, batches, progress=progress)
     for row in rows_out:
         spec = trainer.learners[row["name"]].spec
