@@ -217,6 +217,13 @@ def compare(args) -> None:
     rows = []
     for label, (kind, kw) in runs.items():
         print(f"== {label}", flush=True)
+        name = "short-minimal" if kind == "minimal" else kw["name"]
+        evaluated = out / name / "eval.json"
+        key = {"eval_text": args.eval_text, "eval_tokens": args.eval_tokens, "model": args.model}
+        if evaluated.is_file() and json.loads(evaluated.read_text())["key"] == key:
+            rows.extend(json.loads(evaluated.read_text())["rows"])  # trained and evaluated before
+            _write(rows, out, args)
+            continue
         if kind == "minimal":
             layers, fvus, seconds = run_minimal(
                 "short-minimal",
@@ -234,8 +241,9 @@ def compare(args) -> None:
         for layer in layers.values():
             check_disjoint(layer.cfg.metadata.training.get("data"), {"text": args.eval_text, "split": "all"})
         named = {arch: layer.eval() for arch, layer in layers.items()}
+        these = []
         for row in evaluate(model, named, batches, progress=False):
-            rows.append(
+            these.append(
                 {
                     "run": label,
                     "arch": row["name"],
@@ -252,6 +260,8 @@ def compare(args) -> None:
                     "eval_tokens": row["tokens"],
                 }
             )
+        evaluated.write_text(json.dumps({"key": key, "rows": these}, indent=1))
+        rows.extend(these)
         _write(rows, out, args)
 
 

@@ -30,6 +30,7 @@ everything, so a killed run ends bit-identical to an unbroken one.
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import math
 import sys
@@ -44,7 +45,14 @@ import torch.distributed as dist
 from tqdm.auto import tqdm
 
 from mxd_lens.activations import CachedActivations, ModelActivations, StreamInfo, shuffled_batches
-from mxd_lens.checkpoints import CheckpointError, latest_checkpoint, save_checkpoint_dir  # noqa: F401 (CheckpointError re-exported)
+from mxd_lens.checkpoints import (  # noqa: F401 (CheckpointError, RunLocked re-exported)
+    CheckpointError,
+    RunLock,
+    RunLocked,
+    checkpoint_candidates,
+    latest_checkpoint,
+    save_checkpoint_dir,
+)
 from mxd_lens.firing import FiringTracker
 from mxd_lens.layers import (
     MLPReplacement,
@@ -60,6 +68,10 @@ from mxd_lens.matching import match_experts
 ARCHITECTURES = ("mxd", "transcoder", "skip_transcoder")
 NORMALIZATIONS = ("none", "input", "input_output")
 SCHEDULES = ("constant", "linear", "cosine")
+
+
+class _Mismatch(ValueError):
+    """A checkpoint that is readable but belongs to another run (learners, settings or data)."""
 
 
 class TrainingDiverged(FloatingPointError):
@@ -103,7 +115,7 @@ class TrainConfig:
 
     total_tokens: int | None = None
     epochs: float | None = None
-    batch_tokens: int = 1024
+    batch_tokens: int = 512
     lr: float = 2e-3
     warmup_steps: int | None = None  # None: warmup_fraction of the steps
     warmup_fraction: float = 0.05
@@ -335,7 +347,18 @@ class Trainer:
 
     # -- the loop ----------------------------------------------------------------------------------
     def fit(self, resume: bool = False) -> dict[str, dict[str, float]]:
-        """Train to the token budget; with ``resume`` continue from the latest checkpoint in out_dir."""
+        """Train to the token budget; with ``resume`` continue from the latest intact checkpoint in
+        out_dir. The run folder is locked while training: a second trainer on it gets ``RunLocked``."""
+        lock = RunLock(self.out_dir, "trainer") if self.rank == 0 else None
+        if lock is not None:
+            lock.acquire()
+        try:
+            return self._fit(resume)
+        finally:
+            if lock is not None:
+                lock.release()
+
+    def _fit(self, resume: bool) -> dict[str, dict[str, float]]:
         if resume:
             self.load_checkpoint()
         cfg = self.config
@@ -554,19 +577,87 @@ class Trainer:
                 "loss_scale": {str(k): v for k, v in self.loss_scale.items()},
                 "config": asdict(self.config),
                 "learners": {name: asdict(learner.spec) for name, learner in self.learners.items()},
+                "data": self.data_identity(),
             }
             (folder / "trainer_state.json").write_text(json.dumps(state, indent=2))
 
         return save_checkpoint_dir(self.checkpoint_dir, self.step, fill, self.config.keep_checkpoints)
 
-    def load_checkpoint(self, path: str | Path | None = None) -> None:
-        path = Path(path) if path is not None else self.latest_checkpoint()
-        if path is None:
-            return  # nothing written yet: a fresh start is the resumed run
+    def data_identity(self) -> dict[str, Any]:
+        """What the stream is: the cache's settings and size, or the live stream's model, layers and
+        text; a resume on other data is refused by comparing these."""
+        source = self.source
+        identity: dict[str, Any] = {"stream": asdict(source.info), "text": self.data_info}
+        if isinstance(source, CachedActivations):
+            records = source.records or {}
+            sums = [
+                records.get(f"block_{i:06d}.safetensors", {}).get("blake2b_256")
+                for i in range(source.n_blocks)
+            ]
+            identity.update(
+                kind="cache",
+                # the shards' recorded checksums: two caches of other content differ here even when
+                # their settings agree (None for a cache written before checksums)
+                content=hashlib.blake2b("".join(sums).encode(), digest_size=16).hexdigest()
+                if all(sums)
+                else None,
+                dtype=source.dtype,
+                cache_text=source.text_info,
+                blocks=source.n_blocks,
+                shuffle=source.shuffle,
+                buffer_tokens=source.buffer_tokens,
+                chunk_tokens=source.chunk_tokens,
+            )
+        else:
+            identity.update(kind="live", cache_text=getattr(source, "text_info", None))
+        return json.loads(json.dumps(identity))  # as a checkpoint stores it (tuples -> lists)
+
+    def load_checkpoint(self, path: str | Path | None = None) -> Path | None:
+        """Restore the training state from ``path``, or from the newest intact checkpoint: a ``latest``
+        that names a missing or damaged folder falls back to the next older one (with a warning);
+        if checkpoints exist but none can be read, ``CheckpointError`` lists them. Returns the folder
+        used (None: nothing written yet, a fresh start is the resumed run)."""
+        candidates = [Path(path)] if path is not None else checkpoint_candidates(self.checkpoint_dir)
+        problems = []
+        pointer = self.checkpoint_dir / "latest"
+        if (
+            path is None
+            and pointer.is_file()
+            and not (self.checkpoint_dir / pointer.read_text().strip()).is_dir()
+        ):
+            problems.append(
+                f"{self.checkpoint_dir / pointer.read_text().strip()}: missing, though `latest` names it"
+            )
+        for folder in candidates:
+            try:
+                state, learners = self._read_checkpoint(folder)
+            except _Mismatch:
+                raise
+            except Exception as err:  # damaged or incomplete: say so and try the next older one
+                problems.append(f"{folder}: {type(err).__name__}: {err}")
+                continue
+            if problems:
+                warnings.warn(
+                    "skipped unreadable checkpoint(s) " + "; ".join(problems) + f"; resuming from {folder}",
+                    stacklevel=2,
+                )
+            self._apply_checkpoint(state, learners)
+            return folder
+        if problems:
+            raise CheckpointError(
+                "no checkpoint could be read: "
+                + "; ".join(problems)
+                + ". Delete the damaged folders to start "
+                f"again from step 0, or train into another folder than {self.out_dir}"
+            )
+        return None
+
+    def _read_checkpoint(self, path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Everything a resume needs, read and checked before any of it is applied."""
         state = json.loads((path / "trainer_state.json").read_text())
         ours = {name: asdict(learner.spec) for name, learner in self.learners.items()}
         if state["learners"] != ours:
-            raise ValueError(
+            raise _Mismatch(
                 f"{path} trained other learners ({sorted(state['learners'])}) than asked ({sorted(ours)})"
             )
         saved, asked = dict(state["config"]), asdict(self.config)
@@ -587,11 +678,32 @@ class Trainer:
                 for k in set(saved) | set(asked)
                 if saved.get(k) != asked.get(k)
             }
-            raise ValueError(f"{path} was trained with other settings (checkpoint, asked): {diff}")
+            raise _Mismatch(f"{path} was trained with other settings (checkpoint, asked): {diff}")
+        here = self.data_identity()
+        there = state.get("data")
+        if there is not None and there != here:
+            diff = {
+                k: (there.get(k), here.get(k)) for k in set(there) | set(here) if there.get(k) != here.get(k)
+            }
+            raise _Mismatch(
+                f"{path} was trained on other data than this run streams (checkpoint, asked): {diff}; resume with "
+                "the same cache or text, or train into a new folder"
+            )
+        learners = {}
         for name, learner in self.learners.items():
             train_state = torch.load(
                 path / name / "train_state.pt", weights_only=True, map_location=self.device
             )
+            expected = {k: v.shape for k, v in learner.layer.state_dict().items()}
+            got = {k: v.shape for k, v in train_state["weights"].items()}
+            if expected != got:
+                raise ValueError(f"{path / name}: weights of other shapes than {name} has")
+            learners[name] = train_state
+        return state, learners
+
+    def _apply_checkpoint(self, state: dict[str, Any], learners: dict[str, Any]) -> None:
+        for name, learner in self.learners.items():
+            train_state = learners[name]
             with torch.no_grad():
                 for key, param in learner.layer.state_dict().items():
                     param.copy_(train_state["weights"][key])
@@ -614,6 +726,8 @@ class Trainer:
                 layer.cfg.metadata.training["metrics"] = metrics[name]
             paths[name] = self.out_dir / "final" / name
             layer.save_model(paths[name])
+            for stale in paths[name].glob(".*.tmp"):  # left by a run killed while writing (we hold the lock)
+                stale.unlink(missing_ok=True)
         (self.out_dir / "final" / "metrics.json").write_text(
             json.dumps({name: learner.history for name, learner in self.learners.items()}, indent=1)
         )

@@ -86,7 +86,9 @@ def _dense_aux_reference(layer, x, y, dead, k_aux, coef, loss_scale):
     allowed = dead[None] & ~chosen
     masked = torch.where(allowed, pre, torch.full_like(pre, float("-inf")))
     aux_idx = masked.topk(k_aux, dim=-1).indices
-    aux_codes = torch.zeros_like(pre).scatter(-1, aux_idx, torch.relu(pre.gather(-1, aux_idx)))
+    raw = pre.gather(-1, aux_idx)
+    straight_through = raw + (torch.relu(raw) - raw).detach()  # ReLU'd value, gradient also below zero
+    aux_codes = torch.zeros_like(pre).scatter(-1, aux_idx, straight_through)
     mixture, aux_mixture = codes @ layer.W_dec, aux_codes @ layer.W_dec
     if isinstance(layer, mxd_lens.MxD):
         zD = layer.hidden(x) @ layer.W_out
@@ -115,6 +117,8 @@ def test_auxk_matches_a_dense_reference_and_reaches_only_dead_units(arch):
     x, y = torch.randn(50, 16), torch.randn(50, 16)
     dead = torch.zeros(48, dtype=torch.bool)
     dead[torch.randperm(48)[:20]] = True
+    with torch.no_grad():
+        layer.b_enc[dead] -= 1.0  # dead units sit below zero, where AuxK must still reach them
     k_aux, coef, scale = 6, 0.5, 1.7
 
     def grads(loss):
@@ -164,9 +168,18 @@ def test_auxk_selection_comes_from_the_topk_matmul_and_avoids_the_topk_units():
         best = sorted(allowed, key=lambda n: -pre[t, n])[:4]
         assert sorted(enc.aux_indices[t].tolist()) == sorted(best)
         torch.testing.assert_close(enc.aux_values[t], pre[t, enc.aux_indices[t]].clamp_min(0))
+    assert (pre.gather(-1, enc.aux_indices) < 0).any()  # negative candidates are selected too...
     few = torch.zeros(40, dtype=torch.bool)
     few[:2] = True  # fewer candidates than k_aux: the rest are zeros with no gradient
-    assert (ops.topk_encode(x, W, b, 5, few, 4).aux_values[:, 2:] == 0).all()
+    Wg = W.clone().requires_grad_()
+    out = ops.topk_encode(x, Wg, b, 5, few, 4)
+    assert (out.aux_values[:, 2:] == 0).all()
+    out.aux_values.sum().backward()
+    assert Wg.grad[:, 2:].abs().max() == 0 and Wg.grad[:, :2].abs().max() > 0
+    negative = (x @ W + b)[:, :2] < 0  # ...and get a gradient there (straight through the ReLU)
+    assert negative.any()
+    chosen = torch.stack([(out.indices != c).all(-1) for c in (0, 1)], -1).float()  # a candidate in that row
+    torch.testing.assert_close(Wg.grad[:, :2], x.t() @ chosen)  # d(sum)/d(value) = 1, sign regardless
     with pytest.raises(ValueError, match="aux_mask must be a bool tensor of shape \\(40,\\)"):
         ops.topk_encode(x, W, b, 5, torch.ones(39, dtype=torch.bool), 4)
 
