@@ -1,26 +1,59 @@
-"""Crash-safe checkpoint folders, shared by every trainer in the library.
+"""Crash-safe checkpoint folders and run-folder locks, shared by every trainer in the library.
 
-``checkpoints/step_000001000/`` is written as ``.tmp-step_000001000/`` and renamed, then the text file
-``checkpoints/latest`` is replaced atomically to name it: a crash at any moment leaves the previous
-checkpoint complete and ``latest`` pointing at it. Older folders beyond ``keep`` are removed last.
+``checkpoints/step_000001000/`` is filled under a unique temporary name (``.tmp-step_000001000.XXXX``)
+and renamed, then the text file ``checkpoints/latest`` is replaced atomically to name it: a crash at
+any moment leaves the previous checkpoint complete and ``latest`` pointing at it. Older folders beyond
+``keep`` are removed last. A resume walks :func:`checkpoint_candidates` newest first, so a ``latest``
+that names a missing or damaged folder falls back to the newest intact one instead of restarting.
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import IO
 
 
 class CheckpointError(OSError):
-    """A checkpoint could not be written; the previous one is intact and still ``latest``."""
+    """A checkpoint could not be written or read; the message names the last good one and the fix."""
+
+
+class RunLocked(RuntimeError):
+    """Another process holds the run folder's lock."""
 
 
 def write_text_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    """Replace ``path`` by ``text`` through a uniquely named temporary file in the same folder."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as handle:
+            handle.write(text)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def checkpoint_candidates(checkpoint_dir: str | Path) -> list[Path]:
+    """Checkpoint folders to try when resuming, newest first: the one ``latest`` names (if it exists),
+    then every other ``step_*`` folder by descending step."""
+    checkpoint_dir = Path(checkpoint_dir)
+    if not checkpoint_dir.is_dir():
+        return []
+    folders = sorted((p for p in checkpoint_dir.glob("step_*") if p.is_dir()), reverse=True)
+    pointer = checkpoint_dir / "latest"
+    named = checkpoint_dir / pointer.read_text().strip() if pointer.is_file() else None
+    if named is not None and named in folders:
+        folders.remove(named)
+        folders.insert(0, named)
+    return folders
 
 
 def latest_checkpoint(checkpoint_dir: str | Path, marker: str | None = None) -> Path | None:
@@ -36,22 +69,68 @@ def latest_checkpoint(checkpoint_dir: str | Path, marker: str | None = None) -> 
 
 def save_checkpoint_dir(checkpoint_dir: Path, step: int, fill: Callable[[Path], None], keep: int) -> Path:
     """``fill(folder)`` writes the state into a fresh temporary folder, which becomes ``step_N`` and
-    ``latest``; on an OSError nothing changes and ``CheckpointError`` names the last good checkpoint."""
+    ``latest``; if writing fails (a full disk raises OSError, or RuntimeError from torch.save) nothing
+    changes, the temporary folder is removed and ``CheckpointError`` names the last good checkpoint."""
     final = checkpoint_dir / f"step_{step:09d}"
-    tmp = checkpoint_dir / f".tmp-step_{step:09d}"
+    checkpoint_dir.mkdir(parents=True, exist_ok=True)
+    tmp = None
     try:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
+        tmp = Path(tempfile.mkdtemp(dir=checkpoint_dir, prefix=f".tmp-{final.name}."))
         fill(tmp)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         write_text_atomic(checkpoint_dir / "latest", final.name)
-    except OSError as err:
-        shutil.rmtree(tmp, ignore_errors=True)
+    except (OSError, RuntimeError) as err:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
         raise CheckpointError(
             f"could not write checkpoint {final.name} ({err}); the last good checkpoint is "
-            f"{latest_checkpoint(checkpoint_dir) or 'none'}"
+            f"{latest_checkpoint(checkpoint_dir) or 'none'}; free disk space and resume"
         ) from err
     for old in sorted(checkpoint_dir.glob("step_*"))[: -max(keep, 1)]:
-        shutil.rmtree(old, ignore_errors=True)
+        if old != final:
+            shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+class RunLock:
+    """An exclusive, non-blocking lock on a run folder (``folder/.lock`` holds the owner's pid), held
+    from ``acquire`` until ``release`` or the process ends; a second holder gets ``RunLocked``."""
+
+    def __init__(self, folder: str | Path, what: str = "run"):
+        self.folder, self.what = Path(folder), what
+        self._handle: IO[str] | None = None
+
+    def acquire(self) -> RunLock:
+        if self._handle is not None:
+            return self
+        self.folder.mkdir(parents=True, exist_ok=True)
+        handle = open(self.folder / ".lock", "a+")
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            holder = handle.read().strip() or "unknown"
+            handle.close()
+            raise RunLocked(
+                f"{self.folder} is in use by another {self.what} (pid {holder}): wait for it to finish, "
+                "or give another output folder"
+            ) from None
+        handle.seek(0)
+        handle.truncate()
+        handle.write(str(os.getpid()))
+        handle.flush()
+        self._handle = handle
+        return self
+
+    def release(self) -> None:
+        if self._handle is not None:
+            fcntl.flock(self._handle, fcntl.LOCK_UN)
+            self._handle.close()
+            self._handle = None
+
+    def __enter__(self) -> RunLock:
+        return self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
