@@ -154,16 +154,30 @@ def test_edited_codes_decode_as_the_dense_formula(name, x):
             else:  # every code non-zero: the dense fallback
                 edited = codes + 0.1
             expected = layer._output(edited @ layer.W_dec, context)
-            torch.testing.assert_close(layer.decode(edited), expected, rtol=1e-5, atol=1e-5)
+            given = {} if edited is codes else {"x": x}  # a new tensor needs its input
+            torch.testing.assert_close(layer.decode(edited, **given), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["mxd", "mxd_glu", "skip"])
+def test_stale_codes_are_never_decoded_with_another_input(name, x):
+    layer = make_layers()[name]
+    with torch.no_grad():
+        first = layer.encode(x)
+        layer.encode(x.flip(0) * 2)  # same shapes, other input: the stash now holds its hidden layer
+        with pytest.raises(RuntimeError, match="pass decode\\(codes, x=x\\)"):
+            layer.decode(first)
+        torch.testing.assert_close(layer.decode(first, x=x), layer.forward_reference(x), rtol=1e-5, atol=1e-5)
+        with pytest.raises(ValueError, match="batch shape"):
+            layer.decode(first, x=x[:3])
 
 
 @pytest.mark.parametrize("name", ["mxd", "skip"])
 def test_decode_without_matching_encode_is_refused(name, x):
     layer = make_layers()[name]
-    with pytest.raises(RuntimeError, match="call encode"):
+    with pytest.raises(RuntimeError, match="encode"):
         layer.decode(torch.zeros(9, N))
     layer.encode(x)
-    with pytest.raises(RuntimeError, match="batch shape"):
+    with pytest.raises(RuntimeError, match="needs the input these codes came from"):
         layer.decode(torch.zeros(4, N))
     with pytest.raises(ValueError, match="d_sae"):
         layer.decode(torch.zeros(9, N + 1))

@@ -120,3 +120,14 @@ def test_saved_files_get_the_mode_open_would_give(tmp_path):
     expected = stat.S_IMODE(os.stat(tmp_path / "plain").st_mode)
     for name in ("cfg.json", "sae_weights.safetensors"):
         assert stat.S_IMODE(os.stat(tmp_path / "tc" / name).st_mode) == expected
+
+
+def test_a_truncated_or_garbled_weights_file_is_named_with_what_is_wrong(tmp_path):
+    model = make_model("gpt2")
+    MxD.for_model(model, 0, d_sae=8, k=2).save_model(tmp_path)
+    weights = tmp_path / "sae_weights.safetensors"
+    data = weights.read_bytes()
+    for broken in (data[: len(data) // 2], b"\xff" * 64 + data[64:]):  # cut short; header overwritten
+        weights.write_bytes(broken)
+        with pytest.raises(ValueError, match=r"sae_weights\.safetensors is not a readable safetensors file"):
+            mxd_lens.load_layer(tmp_path)

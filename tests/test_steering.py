@@ -76,6 +76,10 @@ def test_steering_errors(tokens):
         with pytest.raises(ValueError, match="mode"):
             with steering.steer(model, layer, 1, 1.0, mode="scale"):
                 pass
+        for bad in (float("nan"), float("inf"), [1.0, float("-inf")]):
+            with pytest.raises(ValueError, match="alpha must be finite"):
+                with steering.steer(model, layer, [1, 2] if isinstance(bad, list) else 1, bad):
+                    pass
 
 
 def test_generation_scorers_and_sweep(tmp_path):

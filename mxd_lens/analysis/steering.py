@@ -17,6 +17,7 @@ with ``name`` and ``__call__(generation) -> list[float]``.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -53,6 +54,8 @@ def steer(
         raise ValueError(f"mode={mode!r}: choose 'add' or 'clamp'")
     if len(alphas) != len(features):
         raise ValueError(f"{len(features)} features but {len(alphas)} alphas")
+    if not all(math.isfinite(a) for a in alphas):
+        raise ValueError(f"alpha must be finite, got {alphas}: a NaN or infinite code makes every logit NaN")
     bad = [
         f for f in features if isinstance(f, bool) or not isinstance(f, int) or not 0 <= f < layer.cfg.d_sae
     ]

@@ -13,8 +13,6 @@ Subclasses say what decode needs from x (``_decode_context``) and how the K-row 
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +24,7 @@ from sae_lens.constants import SAE_CFG_FILENAME, SAE_WEIGHTS_FILENAME
 from safetensors.torch import save_file
 from torch import nn
 
+from mxd_lens import fileio
 from mxd_lens.layers import ops
 
 C = TypeVar("C", bound="LayerConfig")
@@ -80,12 +79,14 @@ class TrainStepOutput(NamedTuple):
 
 @dataclass
 class _Stash:
-    """What ``encode`` leaves for ``decode``: the decode context and, while the returned codes are
-    untouched, their TopK indices (so decode gathers instead of searching)."""
+    """What ``encode`` leaves for ``decode``: the tensor it returned (by weak reference: decode may
+    use the stash only for that very tensor), the decode context and, while the returned codes are
+    the TopK codes themselves and untouched, their indices (so decode gathers instead of searching)."""
 
     lead_shape: torch.Size
     context: Any
-    codes: weakref.ref | None
+    returned: weakref.ref
+    topk: bool  # the returned tensor is the TopK codes (no hook replaced them) and has a version counter
     codes_version: int
     indices: torch.Tensor
 
@@ -177,16 +178,22 @@ class MLPReplacement(SAE[C]):
         self._stash = _Stash(
             lead_shape=lead,
             context=self._decode_context(x2) if self.needs_decode_context else None,
+            returned=weakref.ref(out),
             # inference tensors (TL's generate) have no version counter to detect in-place edits:
             # decode them by their non-zeros instead of trusting the indices chosen here
-            codes=weakref.ref(out) if out is codes and not out.is_inference() else None,
+            topk=out is codes and not out.is_inference(),
             codes_version=-1 if out.is_inference() else out._version,
             indices=indices.reshape(-1, self.cfg.k),
         )
         return out
 
-    def decode(self, feature_acts: torch.Tensor) -> torch.Tensor:
-        """The output [..., d_out] for codes from ``encode`` (edited codes are fine: steering)."""
+    def decode(self, feature_acts: torch.Tensor, x: torch.Tensor | None = None) -> torch.Tensor:
+        """The output [..., d_out] for codes [..., d_sae] (edited codes are fine: steering).
+
+        A pure function of its arguments. MxD's and the skip transcoder's output depend on the input
+        too: pass it as ``x``, or decode the very tensor the last ``encode`` returned (edited in place
+        or not), whose input ``encode`` kept. Any other codes without ``x`` are refused, so codes of
+        one input are never decoded with another input's hidden layer."""
         if feature_acts.shape[-1] != self.cfg.d_sae:
             raise ValueError(
                 f"{type(self).__name__}.decode expects codes of width d_sae={self.cfg.d_sae}, "
@@ -195,25 +202,26 @@ class MLPReplacement(SAE[C]):
         lead = feature_acts.shape[:-1]
         codes = feature_acts.reshape(-1, self.cfg.d_sae)
         stash = self._stash
+        mine = stash is not None and stash.returned() is feature_acts
         context = None
         if self.needs_decode_context:
-            if stash is None:
+            if x is not None:
+                x = self.process_sae_in(x)
+                if x.shape[:-1] != lead:
+                    raise ValueError(
+                        f"{type(self).__name__}.decode got codes for batch shape {tuple(lead)} and an input "
+                        f"of batch shape {tuple(x.shape[:-1])}"
+                    )
+                context = self._decode_context(x.reshape(-1, self.cfg.d_in))
+            elif mine:
+                context = stash.context
+            else:
                 raise RuntimeError(
-                    f"{type(self).__name__}.decode needs the input of a matching encode (its output "
-                    "depends on x, not only on the codes): call encode(x) first, or forward(x)"
+                    f"{type(self).__name__}.decode needs the input these codes came from (its output depends "
+                    "on x, not only on the codes): pass decode(codes, x=x), or decode the tensor the last "
+                    "encode(x) returned, or call forward(x)"
                 )
-            if stash.lead_shape != lead:
-                raise RuntimeError(
-                    f"{type(self).__name__}.decode got codes for batch shape {tuple(lead)} but the "
-                    f"last encode saw {tuple(stash.lead_shape)}: call encode on the matching input first"
-                )
-            context = stash.context
-        fresh = (
-            stash is not None
-            and stash.codes is not None
-            and stash.codes() is feature_acts
-            and feature_acts._version == stash.codes_version
-        )
+        fresh = mine and x is None and stash.topk and feature_acts._version == stash.codes_version
         if fresh:
             indices = stash.indices
             mixture = ops.decode_rows(codes.gather(-1, indices), indices, self.W_dec)
@@ -395,18 +403,9 @@ def _registry() -> dict[str, Any]:
     return SAE_CLASS_REGISTRY
 
 
-def _atomic_write(path: Path, write) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        write(tmp)
-        umask = os.umask(0)  # mkstemp makes the file 0600; give it the mode open() would (shared weights)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+# Unique temp name in the same folder, the mode open() would give (shared weights stay readable);
+# kept under this name for callers that import it from here (mxd_lens.analysis.inspect).
+_atomic_write = fileio.atomic_write
 
 
 def uniform_(t: torch.Tensor, bound: float) -> torch.Tensor:

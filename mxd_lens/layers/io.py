@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from sae_lens.constants import SAE_CFG_FILENAME, SAE_WEIGHTS_FILENAME
+from safetensors import safe_open
 
 from mxd_lens.layers.base import MLPReplacement
 
@@ -38,4 +39,12 @@ def load_layer(path: str | Path, device: str = "cpu", dtype: str | None = None) 
             f"{path} holds architecture {architecture!r}, not one of mxd-lens's {ours}; "
             "load other SAELens architectures with sae_lens.SAE.load_from_disk"
         )
+    weights = path / SAE_WEIGHTS_FILENAME
+    try:  # reads only the header, which also says how long the file must be
+        with safe_open(weights, framework="pt") as f:
+            f.keys()
+    except Exception as err:  # safetensors' own SafetensorError: bad header, file cut short, ...
+        raise ValueError(
+            f"{weights} is not a readable safetensors file (truncated or damaged?): {err}"
+        ) from None
     return SAE.load_from_disk(path, device=device, dtype=dtype)
