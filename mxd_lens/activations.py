@@ -16,14 +16,23 @@ into batches that run on across window (and epoch) ends, so no token is dropped:
 
 A batch is therefore fixed by its token offset in the stream alone: a resumed run restarts at
 ``tokens_seen`` (re-reading one window) with no buffer to checkpoint, bit for bit.
+
+A cache checks itself: ``shards.jsonl`` records each shard's size and checksum when it is written.
+Opening a cache checks that every shard is there with its size (cheap); the first read of a shard
+in a process checks its checksum; anything wrong raises :class:`CacheError` naming the file. Running
+``write_cache`` (``mxd-lens cache``) again with the same arguments recomputes exactly the shards that
+are missing or damaged.
 """
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import os
+import warnings
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,9 +43,26 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from mxd_lens import hooks
+from mxd_lens.fileio import atomic_write, atomic_write_text
 
 MANIFEST = "manifest.json"
+SHARDS = (
+    "shards.jsonl"  # one {"shard", "bytes", "blake2b_256"} record per line; the last one per shard counts
+)
+LOCK = ".lock"  # held (flock) by the one process writing the cache; holds its pid
 CACHE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+REPAIR = (
+    "re-run `mxd-lens cache` with the same arguments into this folder: "
+    "it recomputes only what is missing or damaged"
+)
+
+
+class CacheError(ValueError):
+    """An activation cache is damaged: a shard is missing, truncated, changed on disk or unreadable."""
+
+
+class CacheLockedError(RuntimeError):
+    """Another process is writing this activation cache."""
 
 
 @dataclass
@@ -138,6 +164,7 @@ class ModelActivations:
             "split": "train",
             "eval_fraction": eval_fraction,
             "split_seed": split_seed,
+            "digests": data.source_digests(text),
         }
         return stream
 
@@ -192,6 +219,123 @@ def _shard_name(index: int) -> str:
     return f"block_{index:06d}.safetensors"
 
 
+def _shard_index(name: str) -> int | None:
+    stem = name.removeprefix("block_").removesuffix(".safetensors")
+    if name.startswith("block_") and name.endswith(".safetensors") and stem.isdigit():
+        return int(stem)
+    return None
+
+
+def _present_shards(path: Path) -> set[int]:
+    return {i for f in path.glob("block_*.safetensors") if (i := _shard_index(f.name)) is not None}
+
+
+def _digest(path: Path) -> str:
+    h = hashlib.blake2b(digest_size=32)
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 23):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _record(path: Path) -> dict[str, Any]:
+    return {"bytes": path.stat().st_size, "blake2b_256": _digest(path)}
+
+
+def _read_records(path: Path, strict: bool = True) -> dict[str, dict[str, Any]] | None:
+    """``{shard name: record}`` from ``shards.jsonl``; None for a cache written before it existed.
+
+    A last line cut short (a killed append) is ignored; any other bad line is a :class:`CacheError`
+    (``strict``) or skipped, its shard then treated as unrecorded (``write_cache`` re-checks those)."""
+    file = path / SHARDS
+    if not file.is_file():
+        return None
+    text = file.read_text()
+    lines = text.split("\n")
+    records: dict[str, dict[str, Any]] = {}
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            entry = json.loads(line)
+            name, record = entry["shard"], {"bytes": int(entry["bytes"]), "blake2b_256": entry["blake2b_256"]}
+        except (ValueError, KeyError, TypeError) as err:
+            if number == len(lines) or not strict:  # the unterminated last line: an interrupted append
+                continue
+            raise CacheError(f"{file}: line {number} is not a shard record ({err}); {REPAIR}") from None
+        records[name] = record
+    return records
+
+
+def _write_records(path: Path, records: dict[str, dict[str, Any]]) -> None:
+    lines = [json.dumps({"shard": name, **records[name]}) + "\n" for name in sorted(records)]
+    atomic_write_text(path / SHARDS, "".join(lines))
+
+
+def _append_record(path: Path, name: str, record: dict[str, Any]) -> None:
+    with open(path / SHARDS, "a") as f:  # one short write: a kill leaves at most one partial last line
+        f.write(json.dumps({"shard": name, **record}) + "\n")
+
+
+def _shard_problem(path: Path, record: dict[str, Any] | None, info: StreamInfo, dtype: str) -> str | None:
+    """What is wrong with one shard (None: nothing). With its record: size and checksum (reads the
+    file once); without one (a cache from before checksums): it loads, with the right tensors."""
+    if not path.is_file():
+        return "is missing"
+    size = path.stat().st_size
+    if record is not None:
+        if size != record["bytes"]:
+            return f"has {size:,} bytes, but {record['bytes']:,} were written (truncated or overwritten?)"
+        if _digest(path) != record["blake2b_256"]:
+            return "does not match the checksum recorded when it was written (its bytes changed on disk)"
+        return None
+    want = {
+        f"{key}.{L}": (info.tokens_per_block, d)
+        for L in info.layers
+        for key, d in (("x", info.d_in), ("y", info.d_out))
+    }
+    try:
+        with safe_open(path, framework="pt") as shard:
+            if set(shard.keys()) != set(want):
+                return f"holds tensors {sorted(shard.keys())}, not {sorted(want)}"
+            for name, shape in want.items():
+                tensor = shard.get_tensor(name)
+                if tuple(tensor.shape) != shape or tensor.dtype != CACHE_DTYPES[dtype]:
+                    return f"holds {name} as {tensor.dtype} {tuple(tensor.shape)}, not {dtype} {shape}"
+    except Exception as err:  # safetensors raises its own error type for a bad header or short file
+        return f"is not a readable safetensors file (truncated or damaged?): {err}"
+    return None
+
+
+@contextmanager
+def cache_lock(path: str | Path) -> Iterator[None]:
+    """Hold the writer's lock on the cache folder ``path`` (``flock`` on ``path/.lock``, which names
+    the holder's pid); raise :class:`CacheLockedError` at once if another process holds it."""
+    import fcntl
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    lock = path / LOCK
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = lock.read_text().strip() or "unknown"
+            raise CacheLockedError(
+                f"{path} is being written by another process (pid {holder}, per {lock}); "
+                "wait for it to finish, or write to another folder"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        try:
+            yield
+        finally:
+            os.ftruncate(fd, 0)
+    finally:
+        os.close(fd)  # releases the lock
+
+
 def write_cache(
     source: ModelActivations,
     path: str | Path,
@@ -200,11 +344,14 @@ def write_cache(
     progress: bool = True,
     text_info: dict[str, Any] | None = None,
 ) -> Path:
-    """Write ``n_blocks`` blocks of ``source`` to ``path``: ``manifest.json`` + one shard per block.
+    """Write ``n_blocks`` blocks of ``source`` to ``path``: ``manifest.json``, one shard per block and
+    ``shards.jsonl``, each shard's size and checksum.
 
-    Each shard is written to a temporary name and renamed, so a killed run leaves only whole shards;
-    running again with the same arguments continues after the last one. Writing into a cache made
-    for another model, layers or block size is refused.
+    Each shard is written to a temporary name and renamed, so a killed run leaves only whole shards.
+    Running again with the same arguments checks the shards already there and recomputes those that
+    are missing or damaged (a shard without a record, as from a killed run or a cache written before
+    records, is kept if it loads with the right tensors). Writing into a cache made for another model,
+    layers or block size is refused, and so is a second process writing the same folder at once.
     """
     if dtype not in CACHE_DTYPES:
         raise ValueError(f"cache dtype {dtype!r} not supported; choose one of {sorted(CACHE_DTYPES)}")
@@ -216,37 +363,75 @@ def write_cache(
         "text": text_info,
         "format": "mxd_lens.activation_cache.v1",
     }
-    manifest_path = path / MANIFEST
-    if manifest_path.exists():
-        existing = json.loads(manifest_path.read_text())
-        if existing != manifest:
-            raise ValueError(
-                f"{path} already holds a cache made with different settings:\n  there: {existing}\n  asked: {manifest}\n"
-                "write to a new folder, or delete this one"
+    with cache_lock(path):
+        # Left by a killed run (no one else writes here while we hold the lock); block_*.tmp and
+        # manifest.json.tmp are the fixed temporary names of older versions.
+        for stale in [*path.glob(".*.tmp"), *path.glob("block_*.tmp"), path / f"{MANIFEST}.tmp"]:
+            stale.unlink(missing_ok=True)
+        manifest_path = path / MANIFEST
+        if manifest_path.exists():
+            existing = json.loads(manifest_path.read_text())
+            if existing != manifest:
+                raise ValueError(
+                    f"{path} already holds a cache made with different settings:\n  there: {existing}\n  asked: {manifest}\n"
+                    "write to a new folder, or delete this one"
+                )
+        else:
+            _write_records(path, {})
+            atomic_write_text(manifest_path, json.dumps(manifest, indent=2))
+        found = _read_records(path, strict=False)
+        records = dict(found or {})
+        todo, adopted = [], []
+        present = _present_shards(path)
+        checking = [i for i in range(n_blocks) if i in present]
+        for index in tqdm(
+            checking, desc="checking cache", unit="block", disable=not progress or not checking
+        ):
+            name = _shard_name(index)
+            record = records.get(name)
+            problem = _shard_problem(path / name, record, source.info, dtype)
+            if problem is not None:
+                warnings.warn(f"{path / name} {problem}; recomputing it", stacklevel=2)
+                records.pop(name, None)
+                todo.append(index)
+            elif record is None:
+                records[name] = _record(path / name)
+                adopted.append(name)
+        if adopted and found is None:
+            warnings.warn(
+                f"{path} was written before shards had checksums: its {len(adopted)} shards load with the "
+                "right tensors and are recorded now, but what they held before cannot be checked",
+                stacklevel=2,
             )
-    else:
-        _atomic_text(manifest_path, json.dumps(manifest, indent=2))
-    done = 0
-    while done < n_blocks and (path / _shard_name(done)).exists():
-        done += 1
-    if done == n_blocks:
-        return path
-    bar = tqdm(total=n_blocks, initial=done, desc="caching activations", unit="block", disable=not progress)
-    for index, block in zip(range(done, n_blocks), source.blocks(start=done), strict=False):
-        tensors = {}
-        for layer, (x, y) in block.items():
-            tensors[f"x.{layer}"] = x.to(CACHE_DTYPES[dtype]).contiguous()
-            tensors[f"y.{layer}"] = y.to(CACHE_DTYPES[dtype]).contiguous()
-        final = path / _shard_name(index)
-        tmp = final.with_suffix(".tmp")
-        try:
-            save_file(tensors, tmp)
-            os.replace(tmp, final)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
-        bar.update(1)
-    bar.close()
+        todo = sorted(todo + [i for i in range(n_blocks) if i not in present])
+        _write_records(path, records)  # compacted: no partial line for the appends below to follow
+        bar = tqdm(
+            total=n_blocks,
+            initial=n_blocks - len(todo),
+            desc="caching activations",
+            unit="block",
+            disable=not progress or not todo,
+        )
+        for run in _runs(todo):
+            for index, block in zip(run, source.blocks(start=run[0]), strict=False):
+                tensors = {}
+                for layer, (x, y) in block.items():
+                    tensors[f"x.{layer}"] = x.to(CACHE_DTYPES[dtype]).contiguous()
+                    tensors[f"y.{layer}"] = y.to(CACHE_DTYPES[dtype]).contiguous()
+                name, record = _shard_name(index), {}
+
+                def write(
+                    tmp: str, tensors: dict[str, torch.Tensor] = tensors, record: dict = record
+                ) -> None:
+                    save_file(tensors, tmp)
+                    record.update(_record(Path(tmp)))
+
+                atomic_write(path / name, write)
+                records[name] = record
+                _append_record(path, name, record)
+                bar.update(1)
+        bar.close()
+        _write_records(path, records)
     written = sum(1 for i in range(n_blocks) if (path / _shard_name(i)).exists())
     if written < n_blocks:
         raise ValueError(
@@ -255,11 +440,24 @@ def write_cache(
     return path
 
 
+def _runs(indices: list[int]) -> list[list[int]]:
+    """Sorted indices as runs of consecutive ones: [1, 2, 5] -> [[1, 2], [5]]."""
+    runs: list[list[int]] = []
+    for i in indices:
+        if runs and runs[-1][-1] == i - 1:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return runs
+
+
 class CachedActivations:
     """Blocks read back from a cache written by :func:`write_cache` (no model needed).
 
     ``expect`` (e.g. ``{"model_name": ..., "d_in": ...}``) and ``layers`` are checked against the
-    manifest, with an error naming what differs.
+    manifest, with an error naming what differs. The cache holds blocks 0 .. the last one on disk or
+    recorded (at most ``max_blocks``); one of them missing, or of another size than was written, is a
+    :class:`CacheError` here, and a shard's checksum is checked the first time it is read.
     """
 
     def __init__(
@@ -303,26 +501,88 @@ class CachedActivations:
                 raise ValueError(
                     f"{self.path} was cached with {key}={getattr(self.info, key)!r}, but this run asks for {value!r}"
                 )
-        self.n_blocks = 0
-        while (self.path / _shard_name(self.n_blocks)).exists() and (
-            max_blocks is None or self.n_blocks < max_blocks
-        ):
-            self.n_blocks += 1
+        self.records = _read_records(self.path)  # None: written before shards had checksums
+        present = _present_shards(self.path)
+        known = present | {i for name in self.records or {} if (i := _shard_index(name)) is not None}
+        self.n_blocks = max(known, default=-1) + 1
+        if max_blocks is not None:
+            self.n_blocks = min(self.n_blocks, max_blocks)
         if self.n_blocks == 0:
             raise ValueError(f"{self.path} holds no complete block yet")
+        problems = []
+        for index in range(self.n_blocks):
+            name = _shard_name(index)
+            record = (self.records or {}).get(name)
+            if index not in present:
+                why = ["recorded as written"] if record else []
+                why += ["later shards are present"] if max(present, default=-1) > index else []
+                problems.append(f"{self.path / name} is missing ({', '.join(why)})")
+            elif record is not None and (size := (self.path / name).stat().st_size) != record["bytes"]:
+                problems.append(
+                    f"{self.path / name} has {size:,} bytes, but {record['bytes']:,} were written "
+                    "(truncated or overwritten?)"
+                )
+        if problems:
+            shown = problems[:5] + ([f"... and {len(problems) - 5} more"] if len(problems) > 5 else [])
+            raise CacheError(f"{self.path} is damaged:\n  " + "\n  ".join(shown) + f"\n{REPAIR}")
+        self.unrecorded = [i for i in range(self.n_blocks) if _shard_name(i) not in (self.records or {})]
+        if self.unrecorded:
+            warnings.warn(
+                f"{self.path}: {len(self.unrecorded)} shard(s) have no checksum record "
+                f"({'a cache written before records' if self.records is None else 'an interrupted write'}), "
+                f"so only that they load can be checked; to record them, {REPAIR}",
+                stacklevel=2,
+            )
+        self._verified: set[int] = set()
 
     @property
     def epoch_tokens(self) -> int:
         """Tokens in one pass over the cache."""
         return self.n_blocks * self.info.tokens_per_block
 
+    def _problem(self, index: int) -> str | None:
+        record = (self.records or {}).get(_shard_name(index))
+        return _shard_problem(self.path / _shard_name(index), record, self.info, self.dtype)
+
+    def _load(self, index: int, lo: int = 0, hi: int | None = None) -> Block:
+        """Tokens ``lo:hi`` of block ``index``, its shard checked the first time it is read here."""
+        shard_path = self.path / _shard_name(index)
+        if index not in self._verified:
+            problem = self._problem(index)
+            if problem is not None:
+                raise CacheError(f"{shard_path} {problem}; {REPAIR}")
+            self._verified.add(index)
+        try:
+            with safe_open(shard_path, framework="pt") as shard:
+                if lo == 0 and hi is None:
+                    return {
+                        L: (shard.get_tensor(f"x.{L}").float(), shard.get_tensor(f"y.{L}").float())
+                        for L in self.layers
+                    }
+                return {
+                    L: tuple(shard.get_slice(f"{key}.{L}")[lo:hi].float() for key in ("x", "y"))  # type: ignore[misc]
+                    for L in self.layers
+                }
+        except Exception as err:  # changed since it was checked: safetensors' own error, a short file...
+            raise CacheError(f"{shard_path} could not be read ({err}); {REPAIR}") from err
+
     def read(self, block: int, lo: int = 0, hi: int | None = None) -> Block:
-        """Tokens ``lo:hi`` of one block (only those bytes are read from the shard)."""
-        with safe_open(self.path / _shard_name(block), framework="pt") as shard:
-            return {
-                L: tuple(shard.get_slice(f"{key}.{L}")[lo:hi].float() for key in ("x", "y"))  # type: ignore[misc]
-                for L in self.layers
-            }
+        """Tokens ``lo:hi`` of one block (only those bytes are read from the shard, after the whole
+        shard's checksum is checked on its first read)."""
+        return self._load(block, lo, hi)
+
+    def verify(self, progress: bool = False) -> list[str]:
+        """Check every shard against its record (size and checksum: reads the whole cache); the
+        problems found, one line each naming the shard (empty: the cache is whole)."""
+        problems = []
+        for index in tqdm(range(self.n_blocks), desc="verifying cache", unit="block", disable=not progress):
+            problem = self._problem(index)
+            if problem is None:
+                self._verified.add(index)
+            else:
+                self._verified.discard(index)
+                problems.append(f"{self.path / _shard_name(index)} {problem}")
+        return problems
 
     def windows(self, seed: int, start: int = 0) -> Iterator[Window]:
         """Windows of every epoch, without end, from the one holding stream offset ``start``.
@@ -372,11 +632,7 @@ class CachedActivations:
 
     def blocks(self, start: int = 0) -> Iterator[Block]:
         for index in range(start, self.n_blocks):
-            with safe_open(self.path / _shard_name(index), framework="pt") as shard:
-                yield {
-                    L: (shard.get_tensor(f"x.{L}").float(), shard.get_tensor(f"y.{L}").float())
-                    for L in self.layers
-                }
+            yield self._load(index)
 
 
 Window = tuple[int, Block]  # (stream offset of the window's first token, its permuted tokens)
@@ -436,9 +692,3 @@ def shuffled_batches(
         if lo < n:
             parts.append({L: (x[lo:], y[lo:]) for L, (x, y) in window.items()})
             held += n - lo
-
-
-def _atomic_text(path: Path, text: str) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)

@@ -86,7 +86,7 @@ def _demo(args: argparse.Namespace) -> int:
         epochs=args.epochs,
         eval_tokens=args.eval_tokens or (1_024 if quick else 12_800),
         context_size=args.context_size,
-        batch_tokens=args.batch_tokens or (256 if quick else 1024),
+        batch_tokens=args.batch_tokens or (256 if quick else 512),
         rows_per_block=33 if quick else 256,
     )
     rows = run_frontier(model, config, args.out)
@@ -120,11 +120,47 @@ def _stream_source(args: argparse.Namespace, model: Any) -> Any:
 
 
 def _cache(args: argparse.Namespace) -> int:
-    from mxd_lens.activations import write_cache
+    """Write (or continue, or repair) the cache at --out; with --verify, only check it: every shard
+    against its recorded size and checksum, printing what is wrong (exit 1) or that it is whole."""
+    import warnings
+
+    from mxd_lens.activations import REPAIR, CachedActivations, CacheLockedError, write_cache
+
+    if args.verify:
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # shards without a checksum are reported below
+                cache = CachedActivations(args.out)
+        except (FileNotFoundError, ValueError) as err:  # not a cache, no block yet, a shard missing
+            print(f"mxd-lens cache --verify: {err}")
+            return 1
+        problems = cache.verify(progress=True)
+        if args.blocks is not None and cache.n_blocks < args.blocks:
+            problems.append(f"{cache.path} holds {cache.n_blocks} of the {args.blocks} blocks asked for")
+        if problems:
+            print(f"{cache.path} is damaged ({len(problems)} problem(s)):")
+            for problem in problems:
+                print(f"  {problem}")
+            print(REPAIR)
+            return 1
+        print(f"{cache.path}: {cache.n_blocks} blocks, {cache.epoch_tokens:,} tokens, every shard intact")
+        if cache.unrecorded:
+            print(
+                f"  {len(cache.unrecorded)} shard(s) have no recorded checksum, so only that they load was "
+                f"checked; to record them, {REPAIR}"
+            )
+        return 0
+    if args.layers is None or args.blocks is None:
+        raise SystemExit("mxd-lens cache: --layers and --blocks are required to write a cache")
     from mxd_lens.models import load_model
 
     stream = _stream_source(args, load_model(args.model))
-    path = write_cache(stream, args.out, n_blocks=args.blocks, dtype=args.dtype, text_info=stream.text_info)
+    try:
+        path = write_cache(
+            stream, args.out, n_blocks=args.blocks, dtype=args.dtype, text_info=stream.text_info
+        )
+    except CacheLockedError as err:
+        raise SystemExit(f"mxd-lens cache: {err}") from None
     tokens = args.blocks * stream.info.tokens_per_block
     size = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
     print(
@@ -279,7 +315,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--eval-tokens", type=int, help="held-out tokens (default 12,800; 1,024 with --quick)")
     demo.add_argument("--context-size", type=int, default=128, help="tokens per row (default 128)")
     demo.add_argument(
-        "--batch-tokens", type=int, help="tokens per training step (default 1,024; 256 with --quick)"
+        "--batch-tokens", type=int, help="tokens per training step (default 512; 256 with --quick)"
     )
     demo.add_argument("--out", default="results/demo", help="output folder (default results/demo)")
     demo.set_defaults(func=_demo)
@@ -288,17 +324,24 @@ def build_parser() -> argparse.ArgumentParser:
         "cache",
         help="write an activation cache (MLP input/output pairs) for later training runs",
         description="Run the model over the training split of --text and store (MLP input, MLP output) for --layers, "
-        "one safetensors shard per block. Re-running continues an interrupted cache.",
+        "one safetensors shard per block, with each shard's size and checksum. Re-running with the same "
+        "arguments continues an interrupted cache and recomputes shards that are missing or damaged; "
+        "--verify only checks an existing cache.",
     )
     _add_stream_options(cache)
     cache.add_argument(
-        "--layers", type=int, nargs="+", required=True, help="block indices whose MLP to cache"
+        "--layers", type=int, nargs="+", help="block indices whose MLP to cache (required to write)"
     )
     cache.add_argument(
         "--blocks",
         type=int,
-        required=True,
-        help="blocks to write (tokens = blocks x rows-per-block x context)",
+        help="blocks to write (tokens = blocks x rows-per-block x context; required to write)",
+    )
+    cache.add_argument(
+        "--verify",
+        action="store_true",
+        help="check every shard of the cache at --out against its recorded checksum and write nothing "
+        "(exit 1 if damaged; with --blocks, also that it holds that many)",
     )
     cache.add_argument(
         "--dtype",

@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from conftest import D_VOCAB, make_model
 
 import mxd_lens
-from mxd_lens.activations import CachedActivations, ModelActivations, shuffled_batches, write_cache
+from mxd_lens.activations import (
+    CachedActivations,
+    CacheError,
+    CacheLockedError,
+    ModelActivations,
+    cache_lock,
+    shuffled_batches,
+    write_cache,
+)
 
 
 def random_rows(seed: int = 0, context: int = 12):
@@ -216,3 +226,212 @@ def test_non_finite_activations_stop_the_stream():
         next(iter(shuffled_batches(source, 8, seed=0)))
     with pytest.raises(ValueError, match="batch_tokens=0"):
         next(iter(shuffled_batches(source, 0, seed=0)))
+
+
+# -- cache integrity ---------------------------------------------------------------------------------
+
+
+def _integrity_source():
+    # 8 rows x 11 tokens x 16 floats x 2 layers x (x, y): 22.5 kB shards, room to overwrite 4 kB inside
+    return ModelActivations(make_model("gpt2"), [0, 1], random_rows(), context_size=12, rows_per_block=8)
+
+
+def _same_blocks(a: CachedActivations, b: CachedActivations) -> None:
+    assert a.n_blocks == b.n_blocks
+    for x, y in zip(a.blocks(), b.blocks(), strict=True):
+        for layer in (0, 1):
+            assert torch.equal(x[layer][0], y[layer][0]) and torch.equal(x[layer][1], y[layer][1])
+
+
+@pytest.fixture
+def caches(tmp_path):
+    """An untouched cache of 4 blocks (``orig``) and the same written again (``c``) to damage."""
+    source = _integrity_source()
+    write_cache(source, tmp_path / "orig", n_blocks=4, progress=False)
+    write_cache(source, tmp_path / "c", n_blocks=4, progress=False)
+    return source, tmp_path / "orig", tmp_path / "c"
+
+
+def test_cache_files_get_the_mode_open_would_give_and_no_temporary_is_left(tmp_path):
+    import stat
+
+    old = os.umask(0o022)
+    try:
+        write_cache(_integrity_source(), tmp_path, n_blocks=2, progress=False)
+    finally:
+        os.umask(old)
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == [
+        ".lock",
+        "block_000000.safetensors",
+        "block_000001.safetensors",
+        "manifest.json",
+        "shards.jsonl",
+    ]
+    for name in names:
+        assert stat.S_IMODE(os.stat(tmp_path / name).st_mode) == 0o644, name
+
+
+def test_a_missing_middle_shard_is_an_error_naming_it_and_a_rerun_restores_it(caches):
+    source, orig, path = caches
+    (path / "block_000001.safetensors").unlink()
+    with pytest.raises(
+        CacheError,
+        match=r"block_000001\.safetensors is missing \(recorded as written, later shards are present\)",
+    ):
+        CachedActivations(path)  # not a cache of 1 block
+    (path / "block_000003.safetensors").unlink()  # the last one, recorded as written
+    with pytest.raises(CacheError, match=r"(?s)block_000001.*block_000003\.safetensors is missing.*re-run"):
+        CachedActivations(path)
+    write_cache(source, path, n_blocks=4, progress=False)
+    _same_blocks(CachedActivations(orig), CachedActivations(path))
+
+
+def test_a_truncated_shard_is_a_cache_error_naming_it_and_a_rerun_restores_it(caches):
+    source, orig, path = caches
+    shard = path / "block_000002.safetensors"
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) // 2])
+    with pytest.raises(
+        CacheError, match=r"block_000002\.safetensors has 11,\d+ bytes, but 22,\d+ were written"
+    ):
+        CachedActivations(path)
+    shard.write_bytes(data)
+    cache = CachedActivations(path)
+    shard.write_bytes(data[:-100])  # cut short after the cache was opened: found when read
+    with pytest.raises(CacheError, match=r"block_000002\.safetensors .*truncated.*re-run `mxd-lens cache`"):
+        cache.read(2, 0, 10)
+    with pytest.raises(CacheError, match="block_000002"):
+        list(cache.blocks())
+    with pytest.warns(UserWarning, match=r"block_000002\.safetensors has .* bytes.*; recomputing it"):
+        write_cache(source, path, n_blocks=4, progress=False)
+    _same_blocks(CachedActivations(orig), CachedActivations(path))
+
+
+def test_overwritten_bytes_inside_a_shard_are_caught_by_its_checksum(caches):
+    source, orig, path = caches
+    shard = path / "block_000001.safetensors"
+    data = bytearray(shard.read_bytes())
+    middle = len(data) // 2
+    data[middle - 2048 : middle + 2048] = bytes(b ^ 0x5A for b in data[middle - 2048 : middle + 2048])
+    shard.write_bytes(bytes(data))  # same size, still a valid safetensors file: only the checksum knows
+    cache = CachedActivations(path)
+    cache.read(0)  # the other shards read fine
+    with pytest.raises(CacheError, match=r"block_000001\.safetensors does not match the checksum.*re-run"):
+        cache.read(1, 0, 5)
+    with pytest.raises(CacheError, match="block_000001"):  # training reads it: stops, naming the shard
+        _take(shuffled_batches(CachedActivations(path), 88, seed=0), 4)  # one epoch
+    problems = cache.verify()
+    assert len(problems) == 1 and "block_000001.safetensors does not match the checksum" in problems[0]
+    with pytest.warns(
+        UserWarning, match=r"block_000001\.safetensors does not match the checksum.*recomputing"
+    ):
+        write_cache(source, path, n_blocks=4, progress=False)
+    repaired = CachedActivations(path)
+    assert repaired.verify() == []
+    _same_blocks(CachedActivations(orig), repaired)
+
+
+def test_a_shard_is_checksummed_once_per_process(caches, monkeypatch):
+    import mxd_lens.activations as activations
+
+    _, _, path = caches
+    calls = []
+    digest = activations._digest
+    monkeypatch.setattr(activations, "_digest", lambda p: calls.append(p.name) or digest(p))
+    cache = CachedActivations(path)
+    for _ in range(3):
+        cache.read(2, 0, 4)
+        list(cache.blocks(start=3))
+    assert calls == ["block_000002.safetensors", "block_000003.safetensors"]
+
+
+def test_a_cache_written_before_checksums_opens_with_a_warning_and_a_rerun_records_them(caches):
+    source, orig, path = caches
+    (path / "shards.jsonl").unlink()
+    with pytest.warns(UserWarning, match="4 shard.*no checksum record.*written before records"):
+        cache = CachedActivations(path)
+    _same_blocks(CachedActivations(orig), cache)
+    shard = path / "block_000003.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-64])
+    with (
+        pytest.warns(UserWarning),
+        pytest.raises(
+            CacheError, match=r"block_000003\.safetensors is not a readable safetensors file \(truncated"
+        ),
+    ):
+        CachedActivations(path).read(3)
+    with (
+        pytest.warns(UserWarning, match="before shards had checksums: its 3 shards"),
+        pytest.warns(UserWarning, match=r"block_000003\.safetensors is not a readable .*; recomputing it"),
+    ):
+        write_cache(source, path, n_blocks=4, progress=False)  # block 3 recomputed, 0..2 recorded
+    assert (path / "shards.jsonl").read_text().count("\n") == 4
+    _same_blocks(CachedActivations(orig), CachedActivations(path))
+
+
+def test_a_shard_renamed_but_not_yet_recorded_is_kept(caches):
+    """A kill between a shard's rename and its record: the shard is whole; a re-run records it."""
+    source, orig, path = caches
+    records = path / "shards.jsonl"
+    lines = records.read_text().splitlines(keepends=True)
+    records.write_text("".join(lines[:3]) + lines[3][:20])  # and the last append cut short
+    with pytest.warns(UserWarning, match="1 shard.*an interrupted write"):
+        CachedActivations(path)
+    before = (path / "block_000003.safetensors").stat().st_ino
+    write_cache(source, path, n_blocks=4, progress=False)
+    assert (path / "block_000003.safetensors").stat().st_ino == before  # kept, not recomputed
+    assert records.read_text() == "".join(lines)
+    records.write_text("".join(lines[:1]) + "garbage\n" + "".join(lines[1:]))
+    with pytest.raises(CacheError, match=r"shards\.jsonl: line 2 is not a shard record"):
+        CachedActivations(path)
+
+
+def test_a_second_writer_is_refused_naming_the_folder_and_the_holder(caches):
+    import subprocess
+    import sys
+
+    source, _, path = caches
+    with cache_lock(path):
+        with pytest.raises(
+            CacheLockedError, match=rf"{path} is being written by another process \(pid {os.getpid()}"
+        ):
+            write_cache(source, path, n_blocks=5, progress=False)
+    holder = subprocess.Popen(  # another process holding the lock, as a writer does
+        [sys.executable, "-c", "import fcntl, os, sys; f = open(sys.argv[1], 'r+'); fcntl.flock(f, fcntl.LOCK_EX); "
+         "f.truncate(0); f.write(str(os.getpid())); f.flush(); print('held', flush=True); sys.stdin.read()",
+         str(path / ".lock")],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(CacheLockedError, match=rf"pid {holder.pid}\b"):
+            write_cache(source, path, n_blocks=5, progress=False)
+    finally:
+        holder.communicate("")
+    write_cache(source, path, n_blocks=5, progress=False)  # released: the writer continues
+    assert CachedActivations(path).n_blocks == 5
+
+
+def test_cli_verify_reports_a_damaged_cache_and_writes_nothing(caches, capsys):
+    from mxd_lens.cli import main
+
+    _, _, path = caches
+    assert main(["cache", "--verify", "--out", str(path)]) == 0
+    assert "4 blocks, 352 tokens, every shard intact" in capsys.readouterr().out
+    assert main(["cache", "--verify", "--blocks", "6", "--out", str(path)]) == 1
+    assert "holds 4 of the 6 blocks asked for" in capsys.readouterr().out
+    shard = path / "block_000002.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-4096:] = bytes(4096)
+    shard.write_bytes(bytes(data))
+    listing = sorted((p.name, p.stat().st_mtime_ns) for p in path.iterdir())
+    assert main(["cache", "--verify", "--out", str(path)]) == 1
+    out = capsys.readouterr().out
+    assert "block_000002.safetensors does not match the checksum" in out and "re-run `mxd-lens cache`" in out
+    assert sorted((p.name, p.stat().st_mtime_ns) for p in path.iterdir()) == listing
+    shard.unlink()
+    assert main(["cache", "--verify", "--out", str(path)]) == 1
+    assert "block_000002.safetensors is missing" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="--layers and --blocks are required"):
+        main(["cache", "--out", str(path)])

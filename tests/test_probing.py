@@ -131,6 +131,27 @@ def test_run_probing_finds_the_planted_feature(text_model, tmp_path):
     torch.testing.assert_close(edited["tc"][:, 5], 2 * fresh["tc"][:, 5], atol=1e-5, rtol=1e-5)
 
 
+def test_pooled_cache_files_get_the_mode_open_would_give(text_model, tmp_path):
+    """Written through mkstemp-style temporaries (0600), the cache must still be readable as a plain file."""
+    import os
+    import stat
+
+    examples = jsonl_task_set(
+        labelled_file(tmp_path / "a.jsonl.xz", n_per_class=5), ["cat", "dog"], per_class=5
+    ).load()
+    layer = randomise(Transcoder.for_model(text_model, 1, d_sae=8, k=2), 1)
+    old = os.umask(0o022)
+    try:
+        probing.PooledCache(tmp_path / "cache").get(text_model, examples, {"tc": layer}, [], context_size=12,
+                                                    progress=False)  # fmt: skip
+    finally:
+        os.umask(old)
+    files = sorted((tmp_path / "cache").rglob("*"))
+    names = [f.name for f in files if f.is_file()]
+    assert names == ["tc.json", "tc.safetensors"]  # no temporary left behind
+    assert all(stat.S_IMODE(f.stat().st_mode) == 0o644 for f in files if f.is_file())
+
+
 def test_splits_are_stratified_disjoint_and_seeded():
     labels = ["a"] * 20 + ["b"] * 30
     s = splits(labels, (0.6, 0.2, 0.2), seed=3)

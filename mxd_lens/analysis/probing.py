@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -29,6 +28,7 @@ from tqdm.auto import tqdm
 
 from mxd_lens import hooks
 from mxd_lens.analysis.tasks import Examples, TaskSet, binary_task, splits
+from mxd_lens.fileio import atomic_write, atomic_write_text
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -182,12 +182,9 @@ class PooledCache:
             folder.mkdir(parents=True, exist_ok=True)
             for name, value in fresh.items():
                 path = folder / f"{name}.safetensors"
-                tmp = path.with_name(f".{path.name}.tmp")
-                save_file({"pooled": value.contiguous()}, tmp)
-                os.replace(tmp, path)
-                meta_tmp = path.with_name(f".{name}.json.tmp")
-                meta_tmp.write_text(json.dumps(wanted[name]))
-                os.replace(meta_tmp, path.with_suffix(".json"))
+                tensors = {"pooled": value.contiguous()}
+                atomic_write(path, lambda tmp, tensors=tensors: save_file(tensors, tmp))
+                atomic_write_text(path.with_suffix(".json"), json.dumps(wanted[name]))
                 found[name] = value
         return {name: found[name] for name in wanted}
 

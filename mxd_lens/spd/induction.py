@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -29,6 +28,7 @@ import torch.nn.functional as F
 from transformer_lens import HookedTransformer, HookedTransformerConfig
 
 from mxd_lens import checkpoints
+from mxd_lens.fileio import atomic_write
 
 EVAL_SEED_OFFSET = 1_000_003  # the held-out batch's generator: seed + this, never the training stream
 
@@ -324,8 +324,7 @@ def train_induction_model(
 
     out_dir.mkdir(parents=True, exist_ok=True)
     saved = {"state_dict": model.state_dict(), "cfg": induction_model_config(task), "task": asdict(task)}
-    torch.save(saved, out_dir / ".model.pt.tmp")
-    os.replace(out_dir / ".model.pt.tmp", out_dir / "model.pt")
+    atomic_write(out_dir / "model.pt", lambda tmp: torch.save(saved, tmp))
     _write_history(out_dir, history, state)
     return model, history
 

@@ -1,0 +1,45 @@
+"""Writing files so that a reader sees the old file or the new one, never half of one."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+
+def atomic_write(path: str | Path, write: Callable[[str], None]) -> None:
+    """Have ``write(tmp)`` write a uniquely named temporary file next to ``path``, then rename it onto
+    ``path`` (atomic within one file system).
+
+    The file gets the mode ``open()`` would give it (0o666 less the umask), not mkstemp's 0600, so
+    files shared with others stay readable. On any error the temporary file is removed and the error
+    re-raised; ``path`` is left as it was. Concurrent writers each use their own temporary name.
+    """
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        write(tmp)
+        os.chmod(tmp, 0o666 & ~_umask())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def atomic_write_text(path: str | Path, text: str) -> None:
+    """Write ``text`` (UTF-8) to ``path`` atomically, as :func:`atomic_write` does."""
+    atomic_write(path, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
+
+
+def atomic_write_bytes(path: str | Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` atomically, as :func:`atomic_write` does."""
+    atomic_write(path, lambda tmp: Path(tmp).write_bytes(data))
+
+
+def _umask() -> int:
+    # The process umask can only be read by setting it; set it back at once.
+    umask = os.umask(0)
+    os.umask(umask)
+    return umask
