@@ -13,11 +13,13 @@ Three steps, each an iterator so nothing is loaded whole and a dataset can be st
 
 from __future__ import annotations
 
+import codecs
 import gzip
 import hashlib
 import json
 import lzma
 import os
+import zlib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,9 +46,54 @@ def iter_texts(
     path) or, when ``source`` is not an existing path, a Hugging Face dataset streamed with
     ``datasets.load_dataset(source, hf_config, split=hf_split, streaming=True)``. ``text_field`` names
     the document in a ``.jsonl`` object or a dataset row; empty documents are skipped. A wrong source
-    fails here, at the call, not at the first ``next``; a wrong ``.jsonl`` line fails when it is read.
+    fails here, at the call, not at the first ``next``: a missing path that cannot be a dataset name
+    (absolute, ``./``, a file suffix) is not tried as one, and with ``HF_HUB_OFFLINE`` set no dataset
+    is tried (the error says what was tried). A file that is not UTF-8, a broken ``.xz`` / ``.gz`` or
+    a ``.jsonl`` line that is not a JSON object raise a ValueError naming the file when it is read.
     """
-    path = Path(source)
+    path = Path(source).expanduser()
+    files = _local_files(path)
+    if files is not None:
+        return (text for file in files for text in _iter_file(file, text_field))
+    if _looks_like_path(str(source)):
+        raise ValueError(
+            f"no such file or folder: {source} (a local path, so it was not tried as a Hugging Face dataset)"
+        )
+    return _iter_hf(str(source), text_field, hf_split, hf_config)
+
+
+def source_digests(source: str | os.PathLike) -> dict[str, str]:
+    """Content digests of a text source, so overlap checks compare what was read, not how it was named.
+
+    A local file gives ``{name: "sha256:<hex of its bytes>"}``; a folder gives one entry per file that
+    ``iter_texts`` reads, keyed by relative path; empty files, which hold no document, are left out.
+    Anything else is taken for a Hugging Face dataset name: ``{name: "hf:<name>"}``. The same file
+    under another name or spelling gives the same digest (an edited file does not: whole files are
+    hashed, not documents). Raises the errors ``iter_texts`` would for a folder without supported
+    files or a file of an unsupported type.
+    """
+    path = Path(source).expanduser()
+    files = _local_files(path)
+    if files is None:
+        return {str(source): f"hf:{source}"}
+    digests = {}
+    for file in files:
+        if file.stat().st_size:
+            name = file.name if file == path else file.relative_to(path).as_posix()
+            digests[name] = f"sha256:{_sha256(file)}"
+    return digests
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _local_files(path: Path) -> list[Path] | None:
+    """The supported files of a local file or folder in reading order; None when ``path`` does not exist."""
     if path.is_dir():
         files = sorted(
             (p for p in path.rglob("*") if p.is_file() and _suffix(p) is not None),
@@ -54,14 +101,26 @@ def iter_texts(
         )
         if not files:
             raise ValueError(f"folder {path} holds no file ending in one of {', '.join(SUFFIXES)}")
-        return (text for file in files for text in _iter_file(file, text_field))
+        return files
     if path.exists():
         if _suffix(path) is None:
             raise ValueError(
                 f"{path}: unsupported file type; use a file ending in one of {', '.join(SUFFIXES)}"
             )
-        return _iter_file(path, text_field)
-    return _iter_hf(str(source), text_field, hf_split, hf_config)
+        return [path]
+    return None
+
+
+def _looks_like_path(source: str) -> bool:
+    """Whether a missing ``source`` can only be meant as a local path: a Hugging Face dataset name is
+    ``name`` or ``owner/name``, never absolute, relative to ``.``/``~``, or ending in a file suffix."""
+    return (
+        Path(source).is_absolute()
+        or source.startswith((".", "~"))
+        or "\\" in source
+        or source.count("/") > 1
+        or _suffix(Path(source)) is not None
+    )
 
 
 def _suffix(path: Path) -> str | None:
@@ -79,11 +138,59 @@ def _open(path: Path) -> IO[str]:
 
 
 def _iter_file(path: Path, text_field: str) -> Iterator[str]:
-    with _open(path) as f:
-        if ".jsonl" in (_suffix(path) or ""):
-            yield from _iter_jsonl(f, path, text_field)
-        else:
-            yield from _iter_blocks(f)
+    compressed = (_suffix(path) or "").endswith((".xz", ".gz"))
+    try:
+        with _open(path) as f:
+            if ".jsonl" in (_suffix(path) or ""):
+                yield from _iter_jsonl(f, path, text_field)
+            else:
+                yield from _iter_blocks(f)
+    except UnicodeDecodeError as e:
+        offset = _utf8_error_offset(path)
+        where = "" if offset is None else f" at byte {offset}"
+        if where and compressed:
+            where += " of its decompressed text"
+        raise ValueError(
+            f"{path}: not UTF-8 text (invalid byte {e.object[e.start : e.start + 1]!r}{where}); "
+            "convert it to UTF-8 (e.g. `iconv -f latin1 -t utf-8`) or remove it from the source"
+        ) from e
+    except (lzma.LZMAError, gzip.BadGzipFile, zlib.error, EOFError) as e:
+        if not compressed:
+            raise
+        kind = ".xz" if path.name.lower().endswith(".xz") else ".gz"
+        raise ValueError(
+            f"{path}: not a valid {kind} archive ({type(e).__name__}: {e}); it is truncated, corrupt or "
+            "not compressed: re-create it, or remove it from the source"
+        ) from e
+
+
+def _utf8_error_offset(path: Path) -> int | None:
+    """The offset of the first byte of ``path`` (decompressed) that is not UTF-8, by a second read."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    offset = 0
+    try:
+        with _open_bytes(path) as f:
+            while True:
+                chunk = f.read(1 << 20)
+                pending = len(decoder.getstate()[0])
+                try:
+                    decoder.decode(chunk, final=not chunk)
+                except UnicodeDecodeError as e:
+                    return offset - pending + e.start
+                if not chunk:
+                    return None
+                offset += len(chunk)
+    except (OSError, EOFError, lzma.LZMAError, zlib.error):
+        return None
+
+
+def _open_bytes(path: Path) -> IO[bytes]:
+    suffix = _suffix(path) or ""
+    if suffix.endswith(".xz"):
+        return lzma.open(path, "rb")
+    if suffix.endswith(".gz"):
+        return gzip.open(path, "rb")
+    return open(path, "rb")
 
 
 def _iter_blocks(lines: Iterable[str]) -> Iterator[str]:
@@ -132,21 +239,33 @@ def _iter_jsonl(lines: Iterable[str], path: Path, text_field: str) -> Iterator[s
 
 
 def _iter_hf(name: str, text_field: str, split: str, config: str | None) -> Iterator[str]:
+    tried = f"no such file or folder: {name}; as a Hugging Face dataset: "
+    offline = _hub_offline()
+    if offline:  # no network attempt: streaming a hub dataset cannot work offline
+        raise ValueError(
+            f"{tried}not tried, the hub is offline ({offline} is set); unset it to stream {name!r} from "
+            "the hub, or pass an existing local file or folder"
+        )
     import datasets
-    from huggingface_hub import constants
 
     try:
         dataset = datasets.load_dataset(name, config, split=split, streaming=True)
-    except Exception as e:  # offline, unknown name, bad config/split: all the same answer to the user
-        offline = " (HF_HUB_OFFLINE is set, so only cached datasets load)" if constants.HF_HUB_OFFLINE else ""
-        raise ValueError(
-            f"source {name!r} is neither an existing local path nor a loadable Hugging Face dataset"
-            f"{offline}: {type(e).__name__}: {e}"
-        ) from e
+    except Exception as e:  # unreachable hub, unknown name, bad config/split: all the same to the user
+        raise ValueError(f"{tried}{type(e).__name__}: {e}") from e
     columns = dataset.column_names
     if columns is not None and text_field not in columns:
         raise ValueError(f"dataset {name!r} has no column {text_field!r}; its columns are {columns}")
     return _iter_rows(dataset, name, text_field)
+
+
+def _hub_offline() -> str | None:
+    """The variable that puts the Hugging Face hub offline, if one does (read now, not at import)."""
+    from huggingface_hub import constants
+
+    for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
+        if os.environ.get(var, "").strip().upper() in {"1", "ON", "YES", "TRUE"}:
+            return var
+    return "HF_HUB_OFFLINE" if constants.HF_HUB_OFFLINE else None
 
 
 def _iter_rows(dataset: Iterable[dict[str, Any]], name: str, text_field: str) -> Iterator[str]:

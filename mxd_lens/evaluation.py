@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -189,9 +190,14 @@ def _default_name(layer: MLPReplacement) -> str:
 def check_disjoint(train_info: Mapping[str, Any] | None, eval_info: Mapping[str, Any]) -> None:
     """Refuse evaluation text that may overlap a layer's training text.
 
-    Both infos are ``{"text": source, "split": "train"|"eval", "eval_fraction": f, "split_seed": s}``
-    (the trainer records the first in ``cfg.metadata.training["data"]``). The same source is fine only
-    as the other side of the same split; a layer with no record gets a loud warning.
+    Both infos are ``{"text": source, "split": "train"|"eval", "eval_fraction": f, "split_seed": s}``,
+    plus ``"digests": data.source_digests(source)`` where recorded (the trainer stores the first in
+    ``cfg.metadata.training["data"]``). The 'eval' side of the split the layer trained on (same
+    eval_fraction and split_seed) is always fine: the split is decided per document, so it shares no
+    document with the training side of any text. Otherwise the texts must not overlap: when both
+    record digests, no file content may be shared (the same file under another name or spelling
+    counts); without digests, the sources' resolved paths must differ and neither folder may hold
+    the other. A layer with no record gets a loud warning.
     """
     if not train_info:
         warnings.warn(
@@ -199,11 +205,44 @@ def check_disjoint(train_info: Mapping[str, Any] | None, eval_info: Mapping[str,
             stacklevel=2,
         )
         return
-    if str(train_info.get("text")) != str(eval_info.get("text")):
-        return
     same_split = all(train_info.get(k) == eval_info.get(k) for k in ("eval_fraction", "split_seed"))
-    if not (same_split and train_info.get("split") == "train" and eval_info.get("split") == "eval"):
-        raise ValueError(
-            f"evaluation text {eval_info} overlaps the training text {train_info}: evaluate on the 'eval' "
-            "split of the same source with the same eval_fraction and split_seed, or on other text"
-        )
+    if same_split and train_info.get("split") == "train" and eval_info.get("split") == "eval":
+        return
+    train_digests, eval_digests = train_info.get("digests"), eval_info.get("digests")
+    if isinstance(train_digests, Mapping) and isinstance(eval_digests, Mapping):
+        shared = set(train_digests.values()) & set(eval_digests.values())
+        if not shared:
+            if _paths_overlap(train_info.get("text"), eval_info.get("text")):
+                warnings.warn(
+                    f"the evaluation text {eval_info.get('text')!r} has the path of the layer's training "
+                    "text but other content (edited since?); overlap of documents cannot be ruled out",
+                    stacklevel=2,
+                )
+            return
+        names = sorted(name for name, digest in eval_digests.items() if digest in shared)
+        overlap = f"holds the same content as the training text ({', '.join(names[:3])}"
+        overlap += f" and {len(names) - 3} more)" if len(names) > 3 else ")"
+    elif _paths_overlap(train_info.get("text"), eval_info.get("text")):
+        overlap = "is (or holds, or is inside) the training text"
+    else:
+        return
+    raise ValueError(
+        f"evaluation text {_describe(eval_info)} overlaps the training text {_describe(train_info)}: it "
+        f"{overlap}; evaluate on the 'eval' split of the same source with the same eval_fraction and "
+        "split_seed, or on other text"
+    )
+
+
+def _paths_overlap(train_text: Any, eval_text: Any) -> bool:
+    """Same source by name, by resolved path, or one a folder holding the other."""
+    if train_text is None or eval_text is None:
+        return False
+    if str(train_text) == str(eval_text):
+        return True
+    a, b = (Path(str(t)).expanduser().resolve() for t in (train_text, eval_text))
+    return a == b or (a.is_dir() and b.is_relative_to(a)) or (b.is_dir() and a.is_relative_to(b))
+
+
+def _describe(info: Mapping[str, Any]) -> str:
+    """An info without its digests (a folder's can be long)."""
+    return str({k: v for k, v in info.items() if k != "digests"})

