@@ -17,6 +17,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 
+from mxd_lens.fileio import atomic_write_text
+
 
 class CheckpointError(OSError):
     """A checkpoint could not be written or read; the message names the last good one and the fix."""
@@ -26,19 +28,7 @@ class RunLocked(RuntimeError):
     """Another process holds the run folder's lock."""
 
 
-def write_text_atomic(path: Path, text: str) -> None:
-    """Replace ``path`` by ``text`` through a uniquely named temporary file in the same folder."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as handle:
-            handle.write(text)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+write_text_atomic = atomic_write_text  # the name the SPD trainers import
 
 
 def checkpoint_candidates(checkpoint_dir: str | Path) -> list[Path]:
