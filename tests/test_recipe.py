@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import make_model
 from test_activations import random_rows
-from test_training import assert_identical, final_weights
+from test_training import assert_identical, crash_at, final_weights
 
 import mxd_lens
 from mxd_lens.activations import CachedActivations, ModelActivations, write_cache
@@ -248,18 +248,7 @@ def test_epochs_over_a_cache_resume_mid_epoch_bit_identically(tmp_path, monkeypa
     whole = run("whole")
     assert whole.total_tokens == 1280 and whole.total_steps == 20  # 2.5 x 528 = 1320, in whole batches
     whole.fit()
-    crashing = run("broken")
-    real = Trainer._train_step
-
-    def crash(self, *a):
-        if self.step == 13:  # in the middle of the second epoch, after the checkpoint at step 12
-            raise KeyboardInterrupt
-        return real(self, *a)
-
-    monkeypatch.setattr(Trainer, "_train_step", crash)
-    with pytest.raises(KeyboardInterrupt):
-        crashing.fit()
-    monkeypatch.setattr(Trainer, "_train_step", real)
+    crash_at(run("broken"), 13, monkeypatch)  # in the middle of the second epoch, after the checkpoint at 12
     resumed = run("broken")
     resumed.fit(resume=True)
     assert resumed.tokens_seen == 1280

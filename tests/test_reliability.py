@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 import torch
-from test_training import SPECS, assert_identical, config, final_weights, source
+from test_training import SPECS, assert_identical, config, crash_at, final_weights, source
 
 from mxd_lens.activations import CachedActivations, write_cache
 from mxd_lens.checkpoints import RunLock
@@ -63,18 +63,7 @@ def test_a_broken_latest_falls_back_to_the_newest_intact_checkpoint(tmp_path, mo
     Trainer(SPECS[:2], source(), cfg, tmp_path / "whole", progress=False).fit()
     # A run killed after step 25, whose step-20 checkpoint was then lost, and `latest` names it.
     run = tmp_path / "broken"
-    crashing = Trainer(SPECS[:2], source(), cfg, run, progress=False)
-    real = Trainer._train_step
-
-    def crash(self, *a):
-        if self.step == 25:
-            raise KeyboardInterrupt
-        return real(self, *a)
-
-    monkeypatch.setattr(Trainer, "_train_step", crash)
-    with pytest.raises(KeyboardInterrupt):
-        crashing.fit()
-    monkeypatch.setattr(Trainer, "_train_step", real)
+    crash_at(Trainer(SPECS[:2], source(), cfg, run, progress=False), 25, monkeypatch)
     checkpoints = run / "checkpoints"
     shutil.rmtree(checkpoints / "step_000000020")
     with pytest.warns(UserWarning, match="step_000000020.*resuming from .*step_000000010"):

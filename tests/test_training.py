@@ -51,6 +51,21 @@ def final_weights(out: Path) -> dict[str, dict[str, torch.Tensor]]:
     }
 
 
+def crash_at(trainer, step, monkeypatch):
+    """Run ``trainer.fit()`` and interrupt it (KeyboardInterrupt) as it starts step ``step``."""
+    real_step = Trainer._train_step
+
+    def crashing(self, *args):
+        if self.step == step:
+            raise KeyboardInterrupt
+        return real_step(self, *args)
+
+    monkeypatch.setattr(Trainer, "_train_step", crashing)
+    with pytest.raises(KeyboardInterrupt):
+        trainer.fit()
+    monkeypatch.setattr(Trainer, "_train_step", real_step)
+
+
 def assert_identical(a, b):
     assert a.keys() == b.keys()
     for name in a:
@@ -105,18 +120,7 @@ def test_cache_and_live_model_train_identically(tmp_path):
 def test_resume_after_a_crash_is_bit_identical(tmp_path, monkeypatch):
     Trainer(SPECS, source(), config(), tmp_path / "whole", progress=False).fit()
 
-    crashing = Trainer(SPECS, source(), config(), tmp_path / "broken", progress=False)
-    real_step = Trainer._train_step
-
-    def crash_at_17(self, *args):
-        if self.step == 17:
-            raise KeyboardInterrupt
-        return real_step(self, *args)
-
-    monkeypatch.setattr(Trainer, "_train_step", crash_at_17)
-    with pytest.raises(KeyboardInterrupt):
-        crashing.fit()
-    monkeypatch.setattr(Trainer, "_train_step", real_step)
+    crash_at(Trainer(SPECS, source(), config(), tmp_path / "broken", progress=False), 17, monkeypatch)
     assert (tmp_path / "broken" / "checkpoints" / "latest").read_text() == "step_000000010"
     Trainer(SPECS, source(), config(), tmp_path / "broken", progress=False).fit(resume=True)
     assert_identical(final_weights(tmp_path / "whole"), final_weights(tmp_path / "broken"))
