@@ -387,7 +387,6 @@ def main(argv=None) -> None:
         help="BATCH,LR[,FIELD=VALUE...] (TrainConfig fields), e.g. 1024,2e-3,lr_schedule=constant",
     )
     args = parser.parse_args(argv)
-    torch.set_num_threads(torch.get_num_threads())
     compare(args) if args.command == "compare" else sweep(args)
 
 

@@ -350,9 +350,6 @@ class MLPReplacement(SAE[C]):
     def _fold_dense(self, input_scale: float, output_scale: float) -> None:
         """Fold the scales into the parameters outside the TopK dictionary (none here)."""
 
-    #: decoder rows kept at unit norm during training (the a_n * c_n scale symmetry makes it free)
-    unit_norm_decoder: bool = True
-
     def forward_reference(self, x: torch.Tensor) -> torch.Tensor:
         """The same map in its dense textbook form (full [T, d_sae] codes, plain autograd).
         For tests and benchmarks; slow at real widths."""

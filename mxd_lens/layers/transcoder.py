@@ -64,9 +64,6 @@ class SkipTranscoder(MLPReplacement[SkipTranscoderConfig]):
             torch.zeros(self.cfg.d_in, self.cfg.d_out, dtype=self.dtype, device=self.device)
         )
 
-    # Its decoder starts at zero: unit rows are undefined there (NaN in the reference code).
-    unit_norm_decoder = False
-
     def _decode_context(self, x: torch.Tensor) -> torch.Tensor:
         return x
 
