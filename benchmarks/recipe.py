@@ -186,6 +186,43 @@ def eval_batches(model, text, tokens, context):
     return [torch.stack(held[i : i + 8]) for i in range(0, len(held), 8)]
 
 
+def heldout_inputs(model, text, tokens, context, layer):
+    """MLP inputs of ``layer`` on the first ``tokens`` tokens of ``text`` (BOS position dropped)."""
+    from mxd_lens import data
+    from mxd_lens.activations import ModelActivations
+
+    rows = data.TokenRows.for_model(model, context)
+    stream = ModelActivations(
+        model,
+        [layer],
+        lambda: rows.rows(data.iter_texts(text)),
+        context,
+        rows_per_block=128,
+        drop_first_position=rows.prepend_bos,
+    )
+    xs, n = [], 0
+    for block in stream.blocks():
+        xs.append(block[layer][0])
+        n += len(xs[-1])
+        if n >= tokens:
+            break
+    return torch.cat(xs)[:tokens]
+
+
+def dead_on(layers, x) -> dict[str, float]:
+    """Fraction of each layer's units that never fire on the inputs x (mxd_lens.firing's definition)."""
+    from mxd_lens.firing import FiringTracker
+
+    out = {}
+    with torch.no_grad():
+        for arch, layer in layers.items():
+            tracker = FiringTracker(layer.cfg.d_sae)
+            for i in range(0, len(x), 8192):
+                tracker.update(*layer.encode_sparse(x[i : i + 8192]))
+            out[arch] = tracker.dead_fraction()
+    return out
+
+
 def compare(args) -> None:
     from mxd_lens.evaluation import check_disjoint, evaluate
     from mxd_lens.models import load_model
@@ -210,10 +247,17 @@ def compare(args) -> None:
         ),
         f"{args.epochs:g} epochs: new recipe": ("trainer", dict(name="long-recipe", overrides=long)),
     }
+    for variant in args.variant or []:  # the recipe with some TrainConfig fields changed
+        fields = _fields(variant)
+        runs[f"{args.epochs:g} epochs: recipe {variant}"] = (
+            "trainer",
+            dict(name="long-" + variant.replace(",", "_").replace("=", "-"), overrides={**long, **fields}),
+        )
     if args.only:
         runs = {key: value for key, value in runs.items() if any(o in key for o in args.only)}
     model = load_model(args.model)
     batches = eval_batches(model, args.eval_text, args.eval_tokens, full_cache.info.context_size)
+    long_x = None
     rows = []
     for label, (kind, kw) in runs.items():
         print(f"== {label}", flush=True)
@@ -221,7 +265,23 @@ def compare(args) -> None:
         evaluated = out / name / "eval.json"
         key = {"eval_text": args.eval_text, "eval_tokens": args.eval_tokens, "model": args.model}
         if evaluated.is_file() and json.loads(evaluated.read_text())["key"] == key:
-            rows.extend(json.loads(evaluated.read_text())["rows"])  # trained and evaluated before
+            these = json.loads(evaluated.read_text())["rows"]  # trained and evaluated before
+            if args.dead_tokens and any(f"heldout_dead_{args.dead_tokens}" not in r for r in these):
+                if long_x is None:
+                    long_x = heldout_inputs(
+                        model, args.eval_text, args.dead_tokens, full_cache.info.context_size, args.layer
+                    )
+                folder = out / name if kind == "minimal" else out / name / "final"
+                layers = {
+                    r["arch"]: mxd_lens.load_layer(
+                        folder / LearnerSpec(r["arch"], args.layer, args.k, args.m).name
+                    )
+                    for r in these
+                }
+                for r, dead in zip(these, dead_on(layers, long_x).values(), strict=True):
+                    r[f"heldout_dead_{args.dead_tokens}"] = dead
+                evaluated.write_text(json.dumps({"key": key, "rows": these}, indent=1))
+            rows.extend(these)
             _write(rows, out, args)
             continue
         if kind == "minimal":
@@ -241,6 +301,11 @@ def compare(args) -> None:
         for layer in layers.values():
             check_disjoint(layer.cfg.metadata.training.get("data"), {"text": args.eval_text, "split": "all"})
         named = {arch: layer.eval() for arch, layer in layers.items()}
+        if args.dead_tokens and long_x is None:
+            long_x = heldout_inputs(
+                model, args.eval_text, args.dead_tokens, full_cache.info.context_size, args.layer
+            )
+        dead_long = dead_on(named, long_x) if args.dead_tokens else {}
         these = []
         for row in evaluate(model, named, batches, progress=False):
             these.append(
@@ -250,6 +315,7 @@ def compare(args) -> None:
                     "train_fvu": fvus[row["name"]],
                     "heldout_fvu": row["fvu"],
                     "heldout_dead": row["dead_fraction"],
+                    **({f"heldout_dead_{args.dead_tokens}": dead_long[row["name"]]} if dead_long else {}),
                     "l0": row["l0"],
                     "delta_ce": row["delta_ce"],
                     "kl": row["kl"],
@@ -299,15 +365,12 @@ def sweep(args) -> None:
     rows = []
     for setting in args.settings:
         batch, lr, *rest = setting.split(",")
-        extra = dict(item.split("=") for item in rest)
         overrides = {
             "total_tokens": tokens // int(batch) * int(batch),
             "batch_tokens": int(batch),
             "lr": float(lr),
+            **_fields(",".join(rest)),
         }
-        for key, value in extra.items():
-            field = TrainConfig.__dataclass_fields__[key]
-            overrides[key] = type(field.default)(value) if field.default is not None else int(value)
         name = "sweep-" + setting.replace(",", "_").replace("=", "-")
         layers, fvus, seconds = run_trainer(
             name,
@@ -339,6 +402,18 @@ def sweep(args) -> None:
                 }
             )
         _write_sweep(rows, out, args)
+
+
+def _fields(text: str) -> dict[str, Any]:
+    """'FIELD=VALUE,FIELD=VALUE' -> TrainConfig overrides, each value cast to its field's type."""
+    out: dict[str, Any] = {}
+    for item in filter(None, text.split(",")):
+        key, _, value = item.partition("=")
+        if key not in TrainConfig.__dataclass_fields__:
+            raise SystemExit(f"{key!r} is not a TrainConfig field (in {text!r})")
+        default = TrainConfig.__dataclass_fields__[key].default
+        out[key] = type(default)(value) if default is not None else int(value)
+    return out
 
 
 def _write_sweep(rows, out, args) -> None:
@@ -373,6 +448,17 @@ def main(argv=None) -> None:
     c.add_argument("--batch-tokens", type=int, default=TrainConfig.batch_tokens)
     c.add_argument("--lr", type=float, default=TrainConfig.lr)
     c.add_argument("--only", nargs="+", help="run only the runs whose label contains one of these")
+    c.add_argument(
+        "--variant",
+        action="append",
+        help="also train the long recipe with FIELD=VALUE[,FIELD=VALUE] (TrainConfig fields); repeatable",
+    )
+    c.add_argument(
+        "--dead-tokens",
+        type=int,
+        default=262_144,
+        help="also count dead units on this many held-out tokens (encoding only, no splice)",
+    )
     s = sub.choices["sweep"]
     s.add_argument("--archs", nargs="+", default=list(ARCHS))
     s.add_argument("--val-blocks", type=int, default=2, help="the cache's last blocks, held out for FVU")
