@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pandas as pd
 import pytest
+import torch
 from conftest import make_text_model
 from sae_lens import SAE
 
-from mxd_lens.analysis.frontier import FrontierConfig, run_frontier
+from mxd_lens.analysis.frontier import FrontierConfig, plot_frontier, run_frontier
 
 
 def test_frontier_trains_evaluates_and_writes_everything(tmp_path):
@@ -42,8 +44,55 @@ def test_frontier_trains_evaluates_and_writes_everything(tmp_path):
     # Parameter-matched: the MxD and the transcoder have (nearly) the same size.
     params = {r["method"]: r["params"] for r in rows if r["k"] == 2}
     assert abs(params["MxD"] - params["Transcoder"]) / params["Transcoder"] < 0.02
-    weights = SAE.load_from_disk(tmp_path / "out" / "runs" / "final" / rows[0]["name"])
+    weights = SAE.load_from_disk(tmp_path / "out" / "runs" / "L1.seed0" / "final" / rows[0]["name"])
+    assert rows[0]["weights"] == str(tmp_path / "out" / "runs" / "L1.seed0" / "final" / rows[0]["name"])
     assert weights.cfg.metadata.training["data"]["split"] == "train"
     # A second run reuses the cache and the finished training.
     again = run_frontier(model, config, tmp_path / "out", progress=False)
     assert [r["delta_ce"] for r in again] == [r["delta_ce"] for r in rows]
+
+
+def test_frontier_grid_seeds_and_other_eval_text(tmp_path):
+    """Grid entries add (block, K, seed) points; another seed trains in its own folder from the same
+    cache with another initialisation; held-out text can be a separate file; the plot has a column of
+    panels per block and error bars over seeds."""
+    model, corpus = make_text_model(tmp_path)
+    other = tmp_path / "other.txt"
+    other.write_text("\n\n".join(" ".join(d.split()[::-1]) for d in corpus.read_text().split("\n\n")[:80]))
+    config = FrontierConfig(
+        text=str(corpus),
+        grid=["1:2@0,1", "0:2"],
+        archs=["mxd", "transcoder"],
+        eval_text=str(other),
+        train_tokens=64 * 6,
+        eval_tokens=120,
+        context_size=12,
+        batch_tokens=64,
+        rows_per_block=16,
+        eval_fraction=0.1,
+    )
+    assert config.learners() == [(1, 2, 0), (1, 2, 1), (0, 2, 0)] and config.blocks == [0, 1]
+    rows = run_frontier(model, config, tmp_path / "out", progress=False)
+    assert sorted((r["layer"], r["seed"], r["method"]) for r in rows) == [
+        (0, 0, "MxD"), (0, 0, "Transcoder"), (1, 0, "MxD"), (1, 0, "Transcoder"),
+        (1, 1, "MxD"), (1, 1, "Transcoder"),
+    ]  # fmt: skip
+    by = {(r["layer"], r["seed"], r["method"]): r for r in rows}
+    a = SAE.load_from_disk(by[(1, 0, "MxD")]["weights"])
+    b = SAE.load_from_disk(by[(1, 1, "MxD")]["weights"])
+    assert "L1.seed1" in by[(1, 1, "MxD")]["weights"] and not torch.equal(a.W_enc, b.W_enc)
+    assert all(r["ce_clean"] == rows[0]["ce_clean"] for r in rows)  # one clean pass for all
+    fig = plot_frontier(pd.DataFrame(rows))
+    assert len(fig.axes) == 4
+
+    def spreads(ax):  # the lengths of a panel's error bars
+        return [abs(seg[1][1] - seg[0][1]) for c in ax.containers for seg in c.lines[2][0].get_segments()]
+
+    assert max(spreads(fig.axes[1])) > 0  # block 1's ΔCE panel: two seeds, so a spread
+    assert max(spreads(fig.axes[0])) == 0  # block 0: one seed
+    with pytest.raises(ValueError, match="BLOCK:K"):
+        FrontierConfig(text=str(corpus), grid=["15-32"])
+    with pytest.raises(ValueError, match="overlaps"):
+        run_frontier(
+            model, dataclasses.replace(config, eval_text=str(corpus)), tmp_path / "out", progress=False
+        )

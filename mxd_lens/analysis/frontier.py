@@ -1,15 +1,23 @@
 """The sparsity–accuracy frontier: parameter-matched MxD, TopK transcoder and skip transcoder at several
 K, trained from one cached activation stream and spliced into the model on held-out text.
 
-``run_frontier`` does it all and writes, under ``out``: ``cache/`` (activations, reusable), ``runs/``
-(checkpoints and SAELens-format weights), ``frontier.json`` (config, command, one record per layer),
-``frontier.csv`` and ``frontier.png`` (ΔCE and FVU against K, one line per method, as in the paper).
+``run_frontier`` does it all and writes, under ``out``: ``cache/`` (activations, reusable; or the
+folder ``cache``), ``runs/`` (checkpoints and SAELens-format weights; ``runs-seed{S}/`` for other
+seeds), ``frontier.json`` (config, command, one record per layer), ``frontier.csv`` and
+``frontier.png`` (ΔCE and FVU against K, one panel per block, one line per method, error bars over
+seeds, as in the paper).
+
+What is trained is a grid: ``layers`` × ``ks`` × ``archs`` at ``seed``, plus any ``grid`` entries
+``"BLOCK:K,K,...[@SEED,SEED,...]"`` (e.g. ``"25:32"``, ``"15:32@1"``). All learners of one seed train
+together from one stream (one Trainer); all are evaluated in one pass, so the clean forward and the
+ablation baselines are computed once.
 """
 
 from __future__ import annotations
 
 import itertools
 import json
+import logging
 import math
 import shlex
 import sys
@@ -20,59 +28,108 @@ from typing import Any
 import torch
 
 from mxd_lens import data
-from mxd_lens.activations import CachedActivations, ModelActivations, write_cache
+from mxd_lens.activations import MANIFEST, CachedActivations, ModelActivations, write_cache
 from mxd_lens.evaluation import check_disjoint, evaluate
+from mxd_lens.fileio import atomic_write_text
 from mxd_lens.training import LearnerSpec, TrainConfig, Trainer
+
+log = logging.getLogger(__name__)
 
 METHODS = {"mxd": "MxD", "transcoder": "Transcoder", "skip_transcoder": "Skip transcoder"}
 
 
 @dataclass
 class FrontierConfig:
-    """What to compare. ``train_tokens`` are drawn from the 'train' side of ``text``'s document split,
-    ``eval_tokens`` from its 'eval' side (never the same documents)."""
+    """What to compare. ``train_tokens`` are drawn from the 'train' side of ``text``'s document split;
+    held-out tokens from its 'eval' side (never the same documents) or from ``eval_text``."""
 
-    text: str
-    layers: list[int]
-    ks: list[int] = field(default_factory=lambda: [16, 32, 64])
-    width_multiplier: int = 8
-    archs: list[str] = field(default_factory=lambda: list(METHODS))
+    text: str | None = None  # training text: a file, folder or dataset (default: the bundled English text)
+    layers: list[int] = field(default_factory=list)  # blocks whose MLP to replace, each at every K in ks
+    ks: list[int] = field(default_factory=lambda: [16, 32, 64])  # active units per token
+    grid: list[str] = field(default_factory=list)  # more points: "BLOCK:K,K[@SEED,SEED]", e.g. 25:32 15:32@1
+    eval_text: str | None = None  # held-out text (default: the 'eval' side of text's split)
+    cache: str | None = None  # activation cache folder, shareable between studies (default: OUT/cache)
+    width_multiplier: int = 8  # transcoder width m x d_model; MxD gets the experts that match its params
+    archs: list[str] = field(default_factory=lambda: list(METHODS))  # methods: mxd transcoder skip_transcoder
     train_tokens: int = 1_000_000  # tokens cached from the train split
     epochs: float = 1.0  # passes over them
-    eval_tokens: int = 25_600
-    context_size: int = 128
-    batch_tokens: int = TrainConfig.batch_tokens
-    lr: float = TrainConfig.lr
+    eval_tokens: int = 25_600  # held-out tokens for CE, KL, FVU, L0, dead units
+    context_size: int = 128  # tokens per row (BOS included where the model uses one)
+    batch_tokens: int = TrainConfig.batch_tokens  # tokens per training step
+    lr: float = TrainConfig.lr  # Adam learning rate
     warmup_steps: int | None = None  # None: the trainer's default fraction of the steps
-    rows_per_block: int = 256
-    eval_batch_rows: int = 8
-    eval_fraction: float = 0.02
-    split_seed: int = 0
-    seed: int = 0
-    cache_dtype: str = "float32"
+    rows_per_block: int = 256  # token rows per cache shard
+    eval_batch_rows: int = 8  # token rows per evaluation forward
+    eval_fraction: float = 0.02  # documents of text held out as its 'eval' side
+    split_seed: int = 0  # seed of that document split
+    seed: int = 0  # seed of the layers and points with no @SEED
+    cache_dtype: str = "float32"  # float32, float16 or bfloat16 storage of the cache
 
     def __post_init__(self) -> None:
+        if self.text is None:
+            self.text = str(data.default_text())
         unknown = sorted(set(self.archs) - set(METHODS))
         if unknown:
             raise ValueError(f"unknown architectures {unknown}; choose from {list(METHODS)}")
-        if not self.layers or not self.ks:
-            raise ValueError("give at least one layer and one K")
+        if not self.learners():
+            raise ValueError("give at least one layer and one K (layers and ks, or grid)")
+
+    def learners(self) -> list[tuple[int, int, int]]:
+        """(block, K, seed) for every point of the grid, in order, without repeats."""
+        points = [(layer, k, self.seed) for layer in self.layers for k in self.ks]
+        for entry in self.grid:
+            block, sep, rest = entry.partition(":")
+            ks, _, seeds = rest.partition("@")
+            try:
+                parsed = [
+                    (int(block), int(k), int(s))
+                    for k in ks.split(",")
+                    for s in (seeds.split(",") if seeds else [self.seed])
+                ]
+            except ValueError:
+                parsed = []
+            if not sep or not parsed:
+                raise ValueError(f"grid entry {entry!r}: write BLOCK:K,K,...[@SEED,...], e.g. '15:32@1'")
+            points += parsed
+        return list(dict.fromkeys(points))
+
+    @property
+    def blocks(self) -> list[int]:
+        return sorted({block for block, _, _ in self.learners()})
 
     @property
     def steps(self) -> int:
         return int(self.epochs * self.train_tokens) // self.batch_tokens
 
+    def train_config(self, seed: int) -> TrainConfig:
+        """The trainer's settings (the recipe's defaults but for these fields)."""
+        return TrainConfig(
+            total_tokens=self.steps * self.batch_tokens,
+            batch_tokens=self.batch_tokens,
+            lr=self.lr,
+            warmup_steps=self.warmup_steps,
+            seed=seed,
+            checkpoint_every=max(50, self.steps // 20),
+            log_every=max(1, self.steps // 50),
+        )
+
 
 def eval_batches(model: Any, config: FrontierConfig) -> list[torch.Tensor]:
     """Held-out [rows, context] token batches: the 'eval' side of the split, ``eval_tokens`` in all."""
     rows = data.TokenRows.for_model(model, config.context_size)
-    texts = data.split_texts(data.iter_texts(config.text), "eval", config.eval_fraction, config.split_seed)
+    if config.eval_text is not None:
+        texts = data.iter_texts(config.eval_text)
+    else:
+        texts = data.split_texts(
+            data.iter_texts(config.text), "eval", config.eval_fraction, config.split_seed
+        )
     n_rows = max(1, math.ceil(config.eval_tokens / config.context_size))
     held_out = list(itertools.islice(rows.rows(texts), n_rows))
     if len(held_out) < n_rows:
-        print(
-            f"note: the eval split holds {len(held_out) * config.context_size:,} tokens, fewer than asked",
-            file=sys.stderr,
+        log.warning(
+            "the held-out text holds %s tokens, fewer than the %s asked",
+            f"{len(held_out) * config.context_size:,}",
+            f"{config.eval_tokens:,}",
         )
     return [
         torch.stack(held_out[i : i + config.eval_batch_rows])
@@ -86,9 +143,13 @@ def run_frontier(
     """Cache, train every (arch, K) at every layer from the one stream, evaluate, write results."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    cache = Path(config.cache) if config.cache else out / "cache"
+    blocks = config.blocks
+    if (cache / MANIFEST).is_file():  # a shared cache may hold more blocks than this study needs
+        blocks = sorted(set(blocks) | set(json.loads((cache / MANIFEST).read_text())["stream"]["layers"]))
     stream = ModelActivations.from_text(
         model,
-        config.layers,
+        blocks,
         config.text,
         config.context_size,
         eval_fraction=config.eval_fraction,
@@ -98,95 +159,120 @@ def run_frontier(
     text_info = stream.text_info
     n_blocks = math.ceil(config.train_tokens / stream.info.tokens_per_block)
     write_cache(
-        stream,
-        out / "cache",
-        n_blocks=n_blocks,
-        dtype=config.cache_dtype,
-        progress=progress,
-        text_info=text_info,
-    )
-    source = CachedActivations(
-        out / "cache", layers=config.layers, expect={"model_name": model.cfg.model_name}
+        stream, cache, n_blocks=n_blocks, dtype=config.cache_dtype, progress=progress, text_info=text_info
     )
 
-    specs = [
-        LearnerSpec(arch, layer, k, config.width_multiplier)
-        for layer in config.layers
-        for arch in config.archs
-        for k in config.ks
-    ]
-    train_config = TrainConfig(
-        total_tokens=config.steps * config.batch_tokens,
-        batch_tokens=config.batch_tokens,
-        lr=config.lr,
-        warmup_steps=config.warmup_steps,
-        seed=config.seed,
-        checkpoint_every=max(50, config.steps // 10),
-        log_every=max(1, config.steps // 50),
-    )
-    trainer = Trainer(specs, source, train_config, out / "runs", progress=progress, data_info=text_info)
-    train_metrics = trainer.fit(resume=True)
-
-    eval_info = {**text_info, "split": "eval"}
-    layers = {name: layer.eval() for name, layer in trainer.trained_layers().items()}
-    for layer in layers.values():
-        check_disjoint(layer.cfg.metadata.training["data"], eval_info)
-    batches = eval_batches(model, config)
-    rows_out = evaluate(model, layers, batches, progress=progress)
-    for row in rows_out:
-        spec = trainer.learners[row["name"]].spec
-        row.update(
-            method=METHODS[spec.arch],
-            width_multiplier=spec.width_multiplier,
-            train_tokens=trainer.tokens_seen,
-            train_fvu=train_metrics[row["name"]]["fvu"],
-            model=model.cfg.model_name,
+    if config.eval_text is not None:
+        eval_info = {
+            "text": config.eval_text,
+            "split": "all",
+            "digests": data.source_digests(config.eval_text),
+        }
+    else:
+        eval_info = {**text_info, "split": "eval"}
+    eval_key = {
+        "model": model.cfg.model_name,
+        **{k: getattr(config, k) for k in ("eval_text", "eval_tokens", "context_size", "eval_batch_rows")},
+        **({} if config.eval_text else {k: text_info[k] for k in ("text", "eval_fraction", "split_seed")}),
+    }
+    batches: list[torch.Tensor] | None = None
+    rows_out: list[dict[str, Any]] = []
+    # One Trainer per (block, seed), in the order the config names them (so the first block's layers
+    # are trained and evaluated first); each group's evaluation is kept beside its weights.
+    groups = list(dict.fromkeys((block, seed) for block, _, seed in config.learners()))
+    for block, seed in groups:
+        specs = [
+            LearnerSpec(arch, block, k, config.width_multiplier)
+            for b, k, s in config.learners()
+            if (b, s) == (block, seed)
+            for arch in config.archs
+        ]
+        folder = out / "runs" / f"L{block}.seed{seed}"
+        evaluated = folder / "eval.json"
+        if evaluated.is_file() and (record := json.loads(evaluated.read_text()))["key"] == eval_key:
+            rows_out += record["rows"]
+            write_results(rows_out, config, out)
+            continue
+        source = CachedActivations(
+            cache, layers=[block], expect={"model_name": model.cfg.model_name}, max_blocks=n_blocks
         )
-    write_results(rows_out, config, train_config, out)
+        train_config = config.train_config(seed)
+        trainer = Trainer(specs, source, train_config, folder, progress=progress, data_info=text_info)
+        train_metrics = trainer.fit(resume=True)
+        layers = {name: layer.eval() for name, layer in trainer.trained_layers().items()}
+        for layer in layers.values():
+            check_disjoint(layer.cfg.metadata.training["data"], eval_info)
+        if batches is None:
+            batches = eval_batches(model, config)
+        rows = evaluate(model, layers, batches, progress=progress)
+        for row in rows:
+            spec = trainer.learners[row["name"]].spec
+            row.update(
+                method=METHODS[spec.arch],
+                seed=seed,
+                width_multiplier=spec.width_multiplier,
+                train_tokens=trainer.tokens_seen,
+                train_fvu=train_metrics[row["name"]]["fvu"],
+                train_dead_fraction=train_metrics[row["name"]].get("dead_fraction"),
+                weights=str(folder / "final" / row["name"]),
+                model=model.cfg.model_name,
+            )
+        atomic_write_text(
+            evaluated,
+            json.dumps({"key": eval_key, "train_config": asdict(train_config), "rows": rows}, indent=1),
+        )
+        rows_out += rows
+        write_results(rows_out, config, out)
     return rows_out
 
 
-def write_results(
-    rows: list[dict[str, Any]], config: FrontierConfig, train_config: TrainConfig, out: Path
-) -> None:
+def write_results(rows: list[dict[str, Any]], config: FrontierConfig, out: Path) -> None:
+    """frontier.json (command, config, the trainer's settings, rows), frontier.csv, frontier.png."""
     import pandas as pd
 
     record = {
         "command": " ".join(shlex.quote(a) for a in sys.argv),
         "config": asdict(config),
-        "train_config": asdict(train_config),
+        "train_config": asdict(config.train_config(config.seed)),
         "results": rows,
     }
-    (out / "frontier.json").write_text(json.dumps(record, indent=2))
+    atomic_write_text(out / "frontier.json", json.dumps(record, indent=2))
     table = pd.DataFrame(rows)
     table.to_csv(out / "frontier.csv", index=False)
     plot_frontier(table, out / "frontier.png")
 
 
-def plot_frontier(table: Any, path: Path) -> None:
-    """ΔCE and FVU against K, one line per method (and per layer when there are several)."""
-    import matplotlib
+def plot_frontier(table: Any, path: Path | None = None) -> Any:
+    """ΔCE and FVU against K: one column of panels per block, one line per method, the mean over seeds
+    with error bars (min to max) where there are several. Returns the Figure (saved to ``path`` if given)."""
+    from matplotlib.figure import Figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for (method, layer), group in table.groupby(["method", "layer"]):
-        group = group.sort_values("k")
-        label = method if table["layer"].nunique() == 1 else f"{method} (layer {layer})"
-        for ax, column in zip(axes, ("delta_ce", "fvu"), strict=True):
-            ax.plot(group["k"], group[column], marker="o", label=label)
+    blocks = sorted(table["layer"].unique())
+    fig = Figure(figsize=(4.2 * len(blocks) + 1, 7), layout="constrained")
+    axes = fig.subplots(2, len(blocks), squeeze=False)
+    ks = sorted(table["k"].unique())
+    for col, block in enumerate(blocks):
+        for method, group in table[table["layer"] == block].groupby("method"):
+            for row, column in enumerate(("delta_ce", "fvu")):
+                stats = group.groupby("k")[column].agg(["mean", "min", "max"]).sort_index()
+                err = [stats["mean"] - stats["min"], stats["max"] - stats["mean"]]
+                axes[row, col].errorbar(
+                    stats.index, stats["mean"], yerr=err, marker="o", capsize=3, label=method
+                )
+        for row, title in enumerate(("ΔCE (nats/token) when spliced", "FVU of the MLP output")):
+            ax = axes[row, col]
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(ks, labels=[str(k) for k in ks])
+            ax.set_xlabel("K (active units per token)")
+            ax.set_title(f"block {block}: {title}", fontsize=10)
+            ax.grid(alpha=0.3)
+    axes[0, 0].legend()
     model = table["model"].iloc[0]
     m = table["width_multiplier"].iloc[0]
     tokens = table["train_tokens"].iloc[0]
-    for ax, title in zip(axes, ("ΔCE (nats/token) when spliced", "FVU of the MLP output"), strict=True):
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(sorted(table["k"].unique()), labels=[str(k) for k in sorted(table["k"].unique())])
-        ax.set_xlabel("K (active units per token)")
-        ax.set_title(title)
-        ax.grid(alpha=0.3)
-    axes[0].legend()
-    fig.suptitle(f"{model}: parameter-matched at m = {m}, {tokens:,} training tokens")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    seeds = table["seed"].nunique() if "seed" in table else 1
+    spread = f"; bars: min-max over {seeds} seeds" if seeds > 1 else ""
+    fig.suptitle(f"{model}: parameter-matched at m = {m}, {tokens:,} training tokens{spread}")
+    if path is not None:
+        fig.savefig(path, dpi=120)
+    return fig
