@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
+from pathlib import Path
 from typing import Any
 
 
@@ -68,7 +69,6 @@ def _demo(args: argparse.Namespace) -> int:
     """The main job: on the default model and text, cache one mid layer's MLP activations, train a
     parameter-matched MxD and TopK transcoder at the same K from that one stream, splice both into the
     model on held-out text, print the comparison and save the plot and the weights."""
-    import pandas as pd
 
     from mxd_lens.analysis.frontier import FrontierConfig, run_frontier
     from mxd_lens.data import default_text
@@ -88,19 +88,56 @@ def _demo(args: argparse.Namespace) -> int:
         context_size=args.context_size,
         batch_tokens=args.batch_tokens or (256 if quick else 512),
         rows_per_block=33 if quick else 256,
+        cache_dtype="float16",  # half the disk of float32; activations need no more precision
     )
-    rows = run_frontier(model, config, args.out)
-    table = pd.DataFrame(rows)[["method", "layer", "k", "params", "ce_clean", "delta_ce", "kl", "fvu", "l0"]]
+    out = args.out or ("results/demo-quick" if quick else "results/demo")
+    rows = run_frontier(model, config, out)
     print(
         f"\n{model.cfg.model_name}, layer {args.layer}: parameter-matched (m = {args.width_multiplier}), "
         f"K = {args.k}, {rows[0]['train_tokens']:,} training tokens ({args.epochs:g} epochs), "
         f"{rows[0]['tokens']:,} held-out tokens\n"
     )
-    print(table.to_markdown(index=False, floatfmt=".4f"))
+    print(demo_table(rows))
+    print("\n" + demo_verdict(rows))
+    if quick:
+        print("(--quick is a smoke test of the pipeline on few tokens: its numbers are not a result.)")
     print(
-        f"\nplot: {args.out}/frontier.png   table: {args.out}/frontier.csv   weights: {args.out}/runs/final/"
+        f"\nplot: {out}/frontier.png   table: {out}/frontier.csv   weights: {Path(rows[0]['weights']).parent}/"
     )
     return 0
+
+
+def demo_table(rows: list[dict[str, Any]]) -> str:
+    """The demo's table as people read it: params with separators, L0 to one decimal."""
+    import pandas as pd
+
+    table = pd.DataFrame(rows)
+    table = pd.DataFrame(
+        {
+            "method": table["method"],
+            "params": table["params"].map("{:,}".format),
+            "clean CE": table["ce_clean"].map("{:.3f}".format),
+            "ΔCE": table["delta_ce"].map("{:+.4f}".format),
+            "KL": table["kl"].map("{:.4f}".format),
+            "FVU": table["fvu"].map("{:.3f}".format),
+            "L0": table["l0"].map("{:.1f}".format),
+            "dead": table["dead_fraction"].map("{:.0%}".format),
+        }
+    )
+    return table.to_markdown(index=False, colalign=["left"] + ["right"] * 7)
+
+
+def demo_verdict(rows: list[dict[str, Any]]) -> str:
+    """One sentence: which method raised the loss least, and what ΔCE means."""
+    best, *others = sorted(rows, key=lambda r: r["delta_ce"])
+    rest = "; ".join(f"{r['method']} {r['delta_ce']:+.4f}" for r in others)
+    zero = best["ce_zero_ablation"] - best["ce_clean"]
+    return (
+        f"{best['method']} raised the held-out loss least: ΔCE {best['delta_ce']:+.4f} nats/token "
+        f"(vs {rest}). ΔCE is the spliced model's next-token loss minus the clean model's: lower is "
+        f"better, 0 means as good as the model's own MLP, and deleting the MLP (zero-ablation) gives "
+        f"{zero:+.4f}."
+    )
 
 
 def _stream_source(args: argparse.Namespace, model: Any) -> Any:
@@ -317,7 +354,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--batch-tokens", type=int, help="tokens per training step (default 512; 256 with --quick)"
     )
-    demo.add_argument("--out", default="results/demo", help="output folder (default results/demo)")
+    demo.add_argument("--out", help="output folder (default results/demo; results/demo-quick with --quick)")
     demo.set_defaults(func=_demo)
 
     cache = sub.add_parser(

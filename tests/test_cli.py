@@ -1,3 +1,11 @@
+import re
+
+import pandas as pd
+import pytest
+import torch
+from conftest import make_text_model
+from safetensors.torch import load_file
+
 from mxd_lens.cli import main
 
 
@@ -8,12 +16,6 @@ def test_check_runs_and_from_mlp_is_exact(capsys):
         line for line in out.splitlines() if "MxD.from_mlp" in line and line.startswith(("gpt2", "gated"))
     ]
     assert len(lines) == 2 and all(line.rstrip().endswith("+0.0000") for line in lines)
-
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-from conftest import make_text_model  # noqa: E402
-from safetensors.torch import load_file  # noqa: E402
 
 
 @pytest.fixture
@@ -89,7 +91,14 @@ def test_demo_runs_end_to_end(tmp_path, text_model, capsys):
     out = capsys.readouterr().out
     assert "| MxD " in out and "| Transcoder " in out and "K = 2, 1,280 training tokens (2 epochs)" in out
     assert (tmp_path / "demo" / "frontier.png").exists()
-    assert sorted(p.name for p in (tmp_path / "demo" / "runs" / "final").iterdir() if p.is_dir()) == [
+    rows = pd.read_csv(tmp_path / "demo" / "frontier.csv").sort_values("delta_ce")
+    best = rows.iloc[0]
+    assert f"{best['method']} raised the held-out loss least: ΔCE {best['delta_ce']:+.4f}" in out
+    assert f"zero-ablation) gives {best['ce_zero_ablation'] - best['ce_clean']:+.4f}" in out
+    assert "smoke test" in out and re.search(rf"\|\s+{int(best['params']):,}\s+\|", out)
+    assert sorted(
+        p.name for p in (tmp_path / "demo" / "runs" / "L1.seed0" / "final").iterdir() if p.is_dir()
+    ) == [
         "L1.mxd.k2.m8",
         "L1.transcoder.k2.m8",
     ]
