@@ -3,10 +3,11 @@
 Every spliced number replaces ``hook_mlp_out`` (never the input hook: SAELens's ``run_evals`` and the
 reference code splice transcoders at the input, which is wrong whenever input and output differ). A
 pass over the held-out batches does, per batch: one clean forward (keeping the residual stream before
-the first replaced block), then per variant a forward *from that block on* (``start_at_layer``):
-zero-ablation and mean-ablation of each block's MLP output, each layer spliced alone, and optionally all
-of them at once. The mean for mean-ablation is the MLP output's mean over the same held-out tokens
-(a first, cheap pass that stops after the last block needed).
+each replaced block), then per variant a forward *from its block on* (``start_at_layer``): each layer
+spliced alone (its output computed once, on the clean MLP input, which is exactly what it sees when
+spliced alone), zero-ablation of each block's MLP output, and optionally all layers at once. The mean
+for mean-ablation is the MLP output's mean over the same held-out tokens, so the mean-ablated forwards
+run after the pass, from the residual streams it kept.
 
 Definitions (all per predicted token, averaged over the held-out tokens):
 - CE: next-token cross-entropy in nats; ΔCE = CE(spliced) − CE(clean).
@@ -41,13 +42,21 @@ def evaluate(
     batches: Iterable[torch.Tensor],
     *,
     together: bool = False,
+    baselines: bool = True,
     skip_first_position: bool | None = None,
     progress: bool = True,
 ) -> list[dict[str, Any]]:
     """One row of metrics per layer (and one for all layers spliced together when ``together``).
 
-    ``batches`` are [batch, context] token tensors from *held-out* text; iterate it twice (a list,
-    or anything re-iterable). Turn the result into a table with ``pandas.DataFrame(rows)``.
+    ``batches`` are [batch, context] token tensors from *held-out* text. ``baselines=False`` skips
+    the zero- and mean-ablation runs (no ``ce_*_ablation`` / ``ce_recovered_*`` columns). Turn the
+    result into a table with ``pandas.DataFrame(rows)``.
+
+    Cost per batch: one clean forward that keeps the residual stream at each replaced block; per
+    layer, the layer on the clean MLP input it saw there (once: the output serves the splice and FVU,
+    L0 and dead units alike) and a forward from its own block on; per block, the zero-ablated forward
+    from that block; after the pass, the mean-ablated forward from the kept residuals (the mean is
+    known only then).
     """
     named = dict(layers) if isinstance(layers, Mapping) else {_default_name(layer): layer for layer in layers}
     if not named:
@@ -58,55 +67,81 @@ def evaluate(
     if together and len(set(index.values())) != len(index):
         raise ValueError("together=True splices all layers at once, so each must replace a different block")
     blocks = sorted(set(index.values()))
-    start = blocks[0]
     skip = int(model.cfg.default_prepend_bos if skip_first_position is None else skip_first_position)
-    batches = list(batches)  # iterated twice: the mean pass, then the evaluation
-    if not batches:
-        raise ValueError("evaluate got no token batches")
+    resid_names = [f"blocks.{b}.hook_resid_pre" for b in blocks]
 
-    means = _mlp_output_means(model, blocks, batches, skip)
     sums: dict[str, float] = {}
     firing = {name: FiringTracker(layer.cfg.d_sae) for name, layer in named.items()}
-    variants = (
-        [("zero", b) for b in blocks] + [("mean", b) for b in blocks] + [("splice", name) for name in named]
-    )
-    if together:
-        variants.append(("together", None))
-    n_pred = 0
+    y_sum: dict[int, torch.Tensor] = {}  # Σ y and Σ ||y||² per block (float64), for FVU's variance
+    y_sq: dict[int, float] = {}
+    kept: list[tuple[dict[int, torch.Tensor], torch.Tensor]] = []  # residuals for the mean-ablation pass
+    n_pred = n_tokens = 0
     for tokens in tqdm(batches, desc="evaluating", unit="batch", disable=not progress):
         with torch.inference_mode():
             with hooks.capture_mlp_io(model, blocks) as io:
-                logits, cache = model.run_with_cache(tokens, names_filter=f"blocks.{start}.hook_resid_pre")
-            resid = cache[f"blocks.{start}.hook_resid_pre"]
+                logits, cache = model.run_with_cache(tokens, names_filter=resid_names)
+            resid = {b: cache[f"blocks.{b}.hook_resid_pre"] for b in blocks}
             clean_logp = F.log_softmax(logits[:, :-1].float(), dim=-1)
             clean_p = clean_logp.exp()  # once per batch, shared by every variant's KL
             target = tokens[:, 1:].to(clean_logp.device)
             n_pred += target.numel()
             _add(sums, "ce_clean", _ce_sum(clean_logp, target))
-            for kind, key in variants:
-                logp = F.log_softmax(
-                    _run_variant(model, kind, key, named, means, resid, start)[:, :-1].float(), dim=-1
-                )
-                label = f"{kind}:{key}"
-                _add(sums, f"ce:{label}", _ce_sum(logp, target))
-                if kind in ("splice", "together"):
-                    _add(sums, f"kl:{label}", float((clean_p * (clean_logp - logp)).sum()))
+            if baselines:
+                kept.append(({b: r.cpu() for b, r in resid.items()}, target.cpu()))
+            for block in blocks:
+                y = io[block]["out"][:, skip:].double()
+                y_sum[block] = y_sum.get(block, 0) + y.sum((0, 1))
+                y_sq[block] = y_sq.get(block, 0.0) + float(y.pow(2).sum())
+            n_tokens += io[blocks[0]]["out"][:, skip:].shape[:2].numel()
+
+            clean = (clean_logp, clean_p)
             for name, layer in named.items():
-                x, y = (io[index[name]][k][:, skip:] for k in ("in", "out"))
+                block = index[name]
+                x, y = io[block]["in"], io[block]["out"]
                 out, values, idx = layer.forward_sparse(x)
-                _add(sums, f"sse:{name}", float((out - y).pow(2).sum()))
-                _add(sums, f"sst:{name}", float((y - means[index[name]]).pow(2).sum()))
+                out = out.to(y.dtype)
+                _score(sums, f"splice:{name}", _run_from(model, resid, block, {block: out}), target, clean)
+                out, values, idx = out[:, skip:], values[:, skip:], idx[:, skip:]
+                _add(sums, f"sse:{name}", float((out - y[:, skip:]).double().pow(2).sum()))
                 _add(sums, f"l0:{name}", float((values > 0).sum()))
                 _add(sums, f"tokens:{name}", float(values.shape[0] * values.shape[1]))
                 firing[name].update(values.cpu(), idx.cpu())
+            if baselines:
+                for block in blocks:
+                    zero = torch.zeros_like(io[block]["out"])
+                    _score(sums, f"zero:{block}", _run_from(model, resid, block, {block: zero}), target)
+            if together:
+                with hooks.splice(model, *named.values()):
+                    _score(
+                        sums,
+                        "together:None",
+                        model(resid[blocks[0]], start_at_layer=blocks[0]),
+                        target,
+                        clean,
+                    )
+    if n_pred == 0:
+        raise ValueError("evaluate got no token batches")
+
+    means = {block: (y_sum[block] / n_tokens).float() for block in blocks}
+    if baselines:  # mean-ablation, from the kept residuals, now that the mean is known
+        with torch.inference_mode():
+            for resid, target in kept:
+                for block in blocks:
+                    r = resid[block].to(model.cfg.device)
+                    mean = means[block].to(r.dtype).expand_as(r)
+                    logp = F.log_softmax(
+                        _run_from(model, {block: r}, block, {block: mean})[:, :-1].float(), -1
+                    )
+                    _add(sums, f"ce:mean:{block}", _ce_sum(logp, target.to(logp.device)))
 
     ce_clean = sums["ce_clean"] / n_pred
     rows = []
     for name, layer in named.items():
         block = index[name]
-        row = _row(name, layer, block, sums, n_pred, ce_clean, f"splice:{name}", [block])
+        sst = y_sq[block] - n_tokens * float(y_sum[block].pow(2).sum()) / n_tokens**2  # Σ||y - ȳ||²
+        row = _row(name, layer, block, sums, n_pred, ce_clean, f"splice:{name}", [block], baselines)
         row.update(
-            fvu=sums[f"sse:{name}"] / max(sums[f"sst:{name}"], 1e-12),
+            fvu=sums[f"sse:{name}"] / max(sst, 1e-12),
             l0=sums[f"l0:{name}"] / sums[f"tokens:{name}"],
             dead_fraction=firing[name].dead_fraction(),  # never fired on these tokens (mxd_lens.firing)
         )
@@ -114,12 +149,23 @@ def evaluate(
         rows.append(row)
     if together:
         rows.append(
-            _row("together", None, None, sums, n_pred, ce_clean, "together:None", blocks, names=list(named))
+            _row(
+                "together",
+                None,
+                None,
+                sums,
+                n_pred,
+                ce_clean,
+                "together:None",
+                blocks,
+                baselines,
+                list(named),
+            )
         )
     return rows
 
 
-def _row(name, layer, block, sums, n_pred, ce_clean, label, blocks, names=None) -> dict[str, Any]:
+def _row(name, layer, block, sums, n_pred, ce_clean, label, blocks, baselines, names=None) -> dict[str, Any]:
     ce = sums[f"ce:{label}"] / n_pred
     row: dict[str, Any] = {
         "name": name,
@@ -134,7 +180,7 @@ def _row(name, layer, block, sums, n_pred, ce_clean, label, blocks, names=None) 
         "kl": sums[f"kl:{label}"] / n_pred,
         "tokens": n_pred,
     }
-    if len(blocks) == 1:
+    if len(blocks) == 1 and baselines:
         for kind in ("zero", "mean"):
             ablated = sums[f"ce:{kind}:{blocks[0]}"] / n_pred
             row[f"ce_{kind}_ablation"] = ablated
@@ -144,35 +190,25 @@ def _row(name, layer, block, sums, n_pred, ce_clean, label, blocks, names=None) 
     return row
 
 
-def _run_variant(model, kind, key, named, means, resid, start) -> torch.Tensor:
-    run = lambda: model(resid, start_at_layer=start)  # noqa: E731
-    if kind == "splice":
-        with hooks.splice(model, named[key]):
-            return run()
-    if kind == "together":
-        with hooks.splice(model, *named.values()):
-            return run()
-    value = means[key]
-
-    def ablate(out: torch.Tensor, hook: Any) -> torch.Tensor:
-        return torch.zeros_like(out) if kind == "zero" else value.to(out.dtype).expand_as(out)
-
-    with model.hooks(fwd_hooks=[(hooks.mlp_out_hook(key), ablate)]):
-        return run()
+def _score(sums, label: str, logits: torch.Tensor, target: torch.Tensor, clean=None) -> None:
+    """Add a variant's CE (and, given the clean (log p, p), its KL from the clean model) to ``sums``."""
+    logp = F.log_softmax(logits[:, :-1].float(), dim=-1)
+    _add(sums, f"ce:{label}", _ce_sum(logp, target))
+    if clean is not None:
+        clean_logp, clean_p = clean
+        _add(sums, f"kl:{label}", float((clean_p * (clean_logp - logp)).sum()))
 
 
-@torch.inference_mode()
-def _mlp_output_means(model, blocks, batches, skip) -> dict[int, torch.Tensor]:
-    total: dict[int, torch.Tensor] = {}
-    count = 0
-    for tokens in batches:
-        with hooks.capture_mlp_io(model, blocks) as io:
-            model(tokens, stop_at_layer=blocks[-1] + 1)
-        for block in blocks:
-            y = io[block]["out"][:, skip:].double()
-            total[block] = total.get(block, 0) + y.sum((0, 1))
-        count += io[blocks[0]]["out"][:, skip:].shape[0] * io[blocks[0]]["out"][:, skip:].shape[1]
-    return {block: (value / count).float() for block, value in total.items()}
+def _run_from(model, resid: Mapping[int, torch.Tensor], block: int, outputs: Mapping[int, torch.Tensor]):
+    """Logits of the model run from ``block``'s residual stream on, with each given block's
+    ``hook_mlp_out`` replaced by the given tensor (a layer's output on the clean input, zeros, the mean)."""
+
+    def replace(value: torch.Tensor):
+        return lambda out, hook: value.to(out.dtype).expand_as(out)
+
+    fwd_hooks = [(hooks.mlp_out_hook(b), replace(v)) for b, v in outputs.items()]
+    with model.hooks(fwd_hooks=fwd_hooks):
+        return model(resid[block], start_at_layer=block)
 
 
 def _ce_sum(logp: torch.Tensor, target: torch.Tensor) -> float:

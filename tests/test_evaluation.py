@@ -25,6 +25,27 @@ def mean_loss(model, data, fwd_hooks=()):
         ) / len(data)
 
 
+def hand_spliced(model, layers, data):
+    """Mean CE and per-batch log-probs with each block's hook_mlp_out replaced by layer(x), x taken by a
+    forward pre-hook on that block's MLP module: the intervention written out, without mxd_lens.splice."""
+    handles, fwd_hooks = [], []
+    for block, layer in layers.items():
+        slot = {}
+        module = model.blocks[block].mlp
+        handles.append(module.register_forward_pre_hook(lambda m, args, slot=slot: slot.update(x=args[0])))
+        fwd_hooks.append(
+            (f"blocks.{block}.hook_mlp_out", lambda out, hook, slot=slot, layer=layer: layer(slot["x"]))
+        )
+    try:
+        loss = mean_loss(model, data, fwd_hooks)
+        with torch.no_grad():
+            logp = [F.log_softmax(model.run_with_hooks(t, fwd_hooks=fwd_hooks)[:, :-1], -1) for t in data]
+    finally:
+        for handle in handles:
+            handle.remove()
+    return loss, logp
+
+
 @pytest.mark.parametrize("kind", ["gpt2", "gated", "parallel"])
 def test_numbers_match_direct_computation(kind):
     model = make_model(kind)
@@ -43,11 +64,9 @@ def test_numbers_match_direct_computation(kind):
     assert model.cfg.default_prepend_bos
     mean_out = torch.cat([o[:, 1:].reshape(-1, o.shape[-1]) for o in outs]).mean(0)
     mean_abl = mean_loss(model, data, [("blocks.1.hook_mlp_out", lambda out, hook: mean_out.expand_as(out))])
-    with mxd_lens.splice(model, mxd):
-        spliced = mean_loss(model, data)
-        spliced_logp = [F.log_softmax(model(t)[:, :-1], -1) for t in data]
-    with mxd_lens.splice(model, mxd, tc):
-        both = mean_loss(model, data)
+    spliced, spliced_logp = hand_spliced(model, {1: mxd}, data)
+    both, _ = hand_spliced(model, {1: mxd, 2: tc}, data)
+    tc_alone, _ = hand_spliced(model, {2: tc}, data)
     clean_logp = [F.log_softmax(model(t)[:, :-1], -1) for t in data]
     kl = sum(
         float((c.exp() * (c - s)).sum().detach()) for c, s in zip(clean_logp, spliced_logp, strict=True)
@@ -62,6 +81,7 @@ def test_numbers_match_direct_computation(kind):
     assert row["kl"] == pytest.approx(kl, rel=1e-4)
     assert row["ce_recovered_zero"] == pytest.approx((zero - spliced) / (zero - clean), rel=1e-4)
     assert rows["together"]["ce_spliced"] == pytest.approx(both, rel=1e-5)
+    assert rows["tc"]["ce_spliced"] == pytest.approx(tc_alone, rel=1e-5)  # run from its own block
     assert rows["tc"]["layer"] == 2 and rows["together"]["layer"] == "1,2"
 
     # FVU and L0 from the captured MLP input and output of every token.
@@ -77,6 +97,15 @@ def test_numbers_match_direct_computation(kind):
     assert row["l0"] == pytest.approx(float((codes > 0).sum(-1).float().mean()), rel=1e-6)
     assert row["dead_fraction"] == pytest.approx(float((codes.amax(0) == 0).float().mean()))
     assert len(pd.DataFrame(rows.values())) == 3
+
+
+def test_without_baselines_the_other_numbers_are_the_same():
+    model = make_model("gated")
+    layer = randomise(MxD.for_model(model, 1, d_sae=24, k=4))
+    (full,) = evaluate(model, [layer], batches(), progress=False)
+    (bare,) = evaluate(model, [layer], batches(), baselines=False, progress=False)
+    assert "ce_zero_ablation" not in bare and "ce_recovered_mean" not in bare
+    assert {k: bare[k] for k in bare} == {k: full[k] for k in bare}
 
 
 def test_the_mlp_itself_recovers_everything():

@@ -1,0 +1,166 @@
+"""Evaluation cost (issue 11): ``mxd_lens.evaluation.evaluate`` against the floor and against the
+previous implementation, on SmolLM2-135M with 9 learners, side by side in one run.
+
+    python benchmarks/eval_speed.py                                   # 9 learners at block 15
+    python benchmarks/eval_speed.py --blocks 5 15 25                  # 3 learners at each of 3 blocks
+    python benchmarks/eval_speed.py --batches 2 --rows 2 --repeats 1  # smoke run
+
+The floor is what a spliced evaluation cannot avoid, per batch: one clean forward of the whole model,
+per learner the learner on its block's clean MLP input plus one forward from that block on, and per
+block the two baselines (zero- and mean-ablated MLP output), each one forward from that block on; every
+forward ends in log-softmax and CE. ``ours`` is ``evaluate`` as it is now (it adds KL, FVU / L0 / dead
+counts, and the mean over the held-out tokens that mean-ablation needs); ``ours, no baselines`` is
+``evaluate(baselines=False)``, against the floor without the baseline forwards; ``previous`` is
+``evaluate`` as of commit PREVIOUS (every variant from the first block, a separate pass for the means,
+each layer computed twice), loaded with ``git show``.
+Every variant is run round-robin, the order rotated each round; the table shows the median over
+``--repeats`` rounds (after one warm-up round), and the evaluations' numbers are checked to agree.
+Learners are randomly initialised (the cost of a layer does not depend on its training).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import time
+import types
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from mxd_lens import hooks
+from mxd_lens.activations import ModelActivations
+from mxd_lens.evaluation import evaluate
+from mxd_lens.models import DEFAULT_MODEL, load_model
+from mxd_lens.training import LearnerSpec, build_layer
+
+PREVIOUS = "f347acf"  # main before the evaluation rewrite
+
+
+def previous_evaluate():
+    """``evaluate`` as it was at PREVIOUS, from git."""
+    root = Path(__file__).resolve().parent.parent
+    source = subprocess.run(
+        ["git", "show", f"{PREVIOUS}:mxd_lens/evaluation.py"],
+        cwd=root,
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+    module = types.ModuleType("previous_evaluation")
+    exec(compile(source, f"{PREVIOUS}:mxd_lens/evaluation.py", "exec"), module.__dict__)
+    return module.evaluate
+
+
+@torch.inference_mode()
+def floor(model, named, batches, baselines: bool = True) -> float:
+    """The unavoidable work, returned as total CE (so it is computed, not skipped)."""
+    blocks = sorted({hooks.layer_index(layer) for layer in named.values()})
+    names = [f"blocks.{b}.hook_resid_pre" for b in blocks]
+    total = 0.0
+    for tokens in batches:
+        target = tokens[:, 1:]
+        with hooks.capture_mlp_io(model, blocks) as io:
+            logits, cache = model.run_with_cache(tokens, names_filter=names)
+        total += float(
+            F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), target.flatten(), reduction="sum")
+        )
+        for layer in named.values():
+            block = hooks.layer_index(layer)
+            out = layer.forward_sparse(io[block]["in"])[0]
+            with model.hooks(fwd_hooks=[(hooks.mlp_out_hook(block), lambda o, hook, out=out: out)]):
+                logits = model(cache[f"blocks.{block}.hook_resid_pre"], start_at_layer=block)
+            total += float(
+                F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), target.flatten(), reduction="sum")
+            )
+        for block in blocks if baselines else []:
+            for value in (0.0, 1.0):  # zero- and (a stand-in for) mean-ablation
+                ablate = lambda o, hook, value=value: torch.full_like(o, value)  # noqa: E731
+                with model.hooks(fwd_hooks=[(hooks.mlp_out_hook(block), ablate)]):
+                    logits = model(cache[f"blocks.{block}.hook_resid_pre"], start_at_layer=block)
+                total += float(
+                    F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), target.flatten(), reduction="sum")
+                )
+    return total
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument(
+        "--blocks", type=int, nargs="+", default=[15], help="learners spread over these blocks"
+    )
+    parser.add_argument("--learners", type=int, default=9)
+    parser.add_argument("--batches", type=int, default=4)
+    parser.add_argument("--rows", type=int, default=8, help="token rows per batch")
+    parser.add_argument("--context", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args(argv)
+
+    torch.manual_seed(0)
+    model = load_model(args.model)
+    info = ModelActivations(model, sorted(set(args.blocks)), lambda: iter(()), args.context).info
+    archs, ks = ("mxd", "transcoder", "skip_transcoder"), (16, 32, 64)
+    specs = [
+        LearnerSpec(archs[i % 3], args.blocks[i % len(args.blocks)], ks[(i // 3) % 3], 8)
+        for i in range(args.learners)
+    ]
+    named = {}
+    for i, spec in enumerate(specs):
+        layer = build_layer(spec, info, seed=i).eval()
+        torch.nn.init.normal_(layer.W_dec, std=0.02)  # the skip transcoder's decoder starts at zero
+        named[f"{spec.name}#{i}"] = layer
+    g = torch.Generator().manual_seed(0)
+    batches = [
+        torch.randint(0, model.cfg.d_vocab, (args.rows, args.context), generator=g)
+        for _ in range(args.batches)
+    ]
+
+    previous = previous_evaluate()
+    variants = {
+        "floor": lambda: floor(model, named, batches),
+        "floor, no baselines": lambda: floor(model, named, batches, baselines=False),
+        "ours": lambda: evaluate(model, named, batches, progress=False),
+        "ours, no baselines": lambda: evaluate(model, named, batches, baselines=False, progress=False),
+        "previous": lambda: previous(model, named, batches, progress=False),
+    }
+    results = {name: fn() for name, fn in variants.items()}  # warm-up round, and the numbers to compare
+    for name in ("ours", "ours, no baselines"):
+        for a, b in zip(results[name], results["previous"], strict=True):
+            for key in ("ce_spliced", "kl", "fvu", "l0", "dead_fraction"):
+                assert abs(a[key] - b[key]) <= 1e-4 * max(1.0, abs(b[key])), (
+                    name,
+                    a["name"],
+                    key,
+                    a[key],
+                    b[key],
+                )
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    order = list(variants)
+    for r in range(args.repeats):
+        for name in order[r % len(order) :] + order[: r % len(order)]:
+            start = time.perf_counter()
+            variants[name]()
+            times[name].append(time.perf_counter() - start)
+    median = {name: statistics.median(t) for name, t in times.items()}
+    tokens = args.batches * args.rows * args.context
+    print(
+        f"{model.cfg.model_name}: {len(named)} learners at blocks {sorted(set(args.blocks))}, {tokens:,} tokens "
+        f"({args.batches} batches of {args.rows}x{args.context}), median of {args.repeats}, "
+        f"torch threads {torch.get_num_threads()}\n"
+    )
+    print("| evaluation | seconds | / its floor | / ours |")
+    print("|:--|--:|--:|--:|")
+    for name, t in median.items():
+        its = median["floor, no baselines" if "no baselines" in name else "floor"]
+        print(f"| {name} | {t:.2f} | {t / its:.2f} | {t / median['ours']:.2f} |")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
