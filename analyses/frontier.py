@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import pandas as pd
 import simple_parsing
 
-from mxd_lens.analysis.frontier import FrontierConfig, run_frontier
+from mxd_lens.analysis.frontier import FrontierConfig, run_frontier, write_frontier_cache
 from mxd_lens.models import DEFAULT_MODEL, load_model
 
 COLUMNS = [
@@ -39,6 +39,7 @@ COLUMNS = [
 class Script:
     model: str = DEFAULT_MODEL  # model name (TransformerLens) or path, or an offline default
     out: str = "results/frontier"  # output folder
+    cache_only: bool = False  # write (or check) the activation cache, then stop
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -51,7 +52,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_arguments(Script, dest="script")
     parser.add_arguments(FrontierConfig, dest="config")
     args = parser.parse_args(argv)
-    rows = run_frontier(load_model(args.script.model), args.config, args.script.out)
+    model = load_model(args.script.model)
+    if args.script.cache_only:
+        cache, _, n_blocks = write_frontier_cache(model, args.config, args.script.out)
+        print(f"cache: {cache} ({n_blocks} blocks)")
+        return 0
+    rows = run_frontier(model, args.config, args.script.out)
     table = pd.DataFrame(rows)[COLUMNS].sort_values(["layer", "k", "method", "seed"])
     print(table.to_markdown(index=False, floatfmt=".4f"))
     print(f"\nresults in {args.script.out}/frontier.json|csv|png")

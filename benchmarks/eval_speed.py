@@ -87,7 +87,9 @@ def floor(model, named, batches, baselines: bool = True) -> float:
     return total
 
 
-def main(argv=None) -> None:
+def main(argv=None, model=None) -> dict:
+    """Run the benchmark (``model``: an already loaded HookedTransformer instead of ``--model``);
+    returns the median seconds per evaluation."""
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -100,10 +102,11 @@ def main(argv=None) -> None:
     parser.add_argument("--rows", type=int, default=8, help="token rows per batch")
     parser.add_argument("--context", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--no-previous", action="store_true", help="skip the previous implementation")
     args = parser.parse_args(argv)
 
     torch.manual_seed(0)
-    model = load_model(args.model)
+    model = model if model is not None else load_model(args.model)
     info = ModelActivations(model, sorted(set(args.blocks)), lambda: iter(()), args.context).info
     archs, ks = ("mxd", "transcoder", "skip_transcoder"), (16, 32, 64)
     specs = [
@@ -121,17 +124,18 @@ def main(argv=None) -> None:
         for _ in range(args.batches)
     ]
 
-    previous = previous_evaluate()
     variants = {
         "floor": lambda: floor(model, named, batches),
         "floor, no baselines": lambda: floor(model, named, batches, baselines=False),
         "ours": lambda: evaluate(model, named, batches, progress=False),
         "ours, no baselines": lambda: evaluate(model, named, batches, baselines=False, progress=False),
-        "previous": lambda: previous(model, named, batches, progress=False),
     }
+    if not args.no_previous:
+        previous = previous_evaluate()
+        variants["previous"] = lambda: previous(model, named, batches, progress=False)
     results = {name: fn() for name, fn in variants.items()}  # warm-up round, and the numbers to compare
-    for name in ("ours", "ours, no baselines"):
-        for a, b in zip(results[name], results["previous"], strict=True):
+    for name in ("ours, no baselines", "previous"):
+        for a, b in zip(results[name], results["ours"], strict=True) if name in results else []:
             for key in ("ce_spliced", "kl", "fvu", "l0", "dead_fraction"):
                 assert abs(a[key] - b[key]) <= 1e-4 * max(1.0, abs(b[key])), (
                     name,
@@ -160,6 +164,7 @@ def main(argv=None) -> None:
         its = median["floor, no baselines" if "no baselines" in name else "floor"]
         print(f"| {name} | {t:.2f} | {t / its:.2f} | {t / median['ours']:.2f} |")
     sys.stdout.flush()
+    return median
 
 
 if __name__ == "__main__":

@@ -33,3 +33,42 @@ def test_train_throughput_runs_on_a_tiny_model_and_reports_three_ratios(capsys):
     assert all(math.isfinite(v) and v > 0 for v in ratios.values()), ratios
     assert result["steps"] == 2 and result["rows_read"]["SAELens store + our transcoder"] > 0
     assert "(b) our trainer / SAELens" in capsys.readouterr().out
+
+
+def test_eval_speed_runs_on_a_tiny_model_and_the_evaluations_agree(capsys):
+    """The benchmark asserts that ours (with and without baselines) and the previous implementation
+    give the same numbers before it times them."""
+    import subprocess
+
+    import eval_speed
+    from conftest import make_model
+
+    root = Path(__file__).resolve().parents[1]
+    history = subprocess.run(["git", "cat-file", "-e", eval_speed.PREVIOUS], cwd=root).returncode == 0
+    median = eval_speed.main(
+        ["--blocks", "0", "1", "--learners", "3", "--batches", "2", "--rows", "2", "--context", "12"]
+        + ["--repeats", "1"]
+        + ([] if history else ["--no-previous"]),  # a shallow clone has no PREVIOUS commit
+        model=make_model("gated"),
+    )
+    expected = {"floor", "floor, no baselines", "ours", "ours, no baselines"}
+    assert set(median) == expected | ({"previous"} if history else set())
+    assert "| ours | " in capsys.readouterr().out
+
+
+def test_mix_texts_interleaves_by_volume_and_keeps_every_document(tmp_path):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "analyses"))
+    import mix_texts
+
+    from mxd_lens import data
+
+    (tmp_path / "long.txt").write_text("\n\n".join(f"long {i} " + "x" * 400 for i in range(5)))
+    (tmp_path / "short.txt").write_text("\n\n".join(f"short {i}" for i in range(200)))
+    out = tmp_path / "mixed.txt.xz"
+    assert mix_texts.main([str(tmp_path / "long.txt"), str(tmp_path / "short.txt"), "--out", str(out)]) == 0
+    mixed = list(data.iter_texts(out))
+    originals = list(data.iter_texts(tmp_path / "long.txt")) + list(data.iter_texts(tmp_path / "short.txt"))
+    assert sorted(mixed) == sorted(originals)
+    # by volume: about 400 characters of short documents (~50 of them) follow each long one
+    first_two_long = [i for i, d in enumerate(mixed) if d.startswith("long")][:2]
+    assert 40 <= first_two_long[1] - first_two_long[0] <= 60

@@ -137,12 +137,11 @@ def eval_batches(model: Any, config: FrontierConfig) -> list[torch.Tensor]:
     ]
 
 
-def run_frontier(
+def write_frontier_cache(
     model: Any, config: FrontierConfig, out: str | Path, progress: bool = True
-) -> list[dict[str, Any]]:
-    """Cache, train every (arch, K) at every layer from the one stream, evaluate, write results."""
+) -> tuple[Path, dict[str, Any], int]:
+    """Write (or check, repair, extend) the study's activation cache; (folder, text info, blocks)."""
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
     cache = Path(config.cache) if config.cache else out / "cache"
     blocks = config.blocks
     if (cache / MANIFEST).is_file():  # a shared cache may hold more blocks than this study needs
@@ -156,12 +155,25 @@ def run_frontier(
         split_seed=config.split_seed,
         rows_per_block=config.rows_per_block,
     )
-    text_info = stream.text_info
     n_blocks = math.ceil(config.train_tokens / stream.info.tokens_per_block)
     write_cache(
-        stream, cache, n_blocks=n_blocks, dtype=config.cache_dtype, progress=progress, text_info=text_info
+        stream,
+        cache,
+        n_blocks=n_blocks,
+        dtype=config.cache_dtype,
+        progress=progress,
+        text_info=stream.text_info,
     )
+    return cache, stream.text_info, n_blocks
 
+
+def run_frontier(
+    model: Any, config: FrontierConfig, out: str | Path, progress: bool = True
+) -> list[dict[str, Any]]:
+    """Cache, train every (arch, K) at every layer from the one stream, evaluate, write results."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    cache, text_info, n_blocks = write_frontier_cache(model, config, out, progress)
     if config.eval_text is not None:
         eval_info = {
             "text": config.eval_text,
