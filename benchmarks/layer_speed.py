@@ -158,7 +158,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def build(
     args: argparse.Namespace,
-) -> tuple[Dims, mxd_lens.MxD, mxd_lens.Transcoder, torch.Tensor, torch.Tensor]:
+) -> tuple[Dims, mxd_lens.MxD, mxd_lens.TopKTranscoder, torch.Tensor, torch.Tensor]:
     I = O = args.d_model
     width = args.m * I
     n = mxd_lens.match_experts(width, I, O, args.d_hidden)
@@ -167,7 +167,7 @@ def build(
     mxd = mxd_lens.MxD(
         mxd_lens.MxDConfig(d_in=I, d_out=O, d_sae=n, k=args.k, d_hidden=args.d_hidden, activation="gelu_new")
     )
-    tc = mxd_lens.Transcoder(mxd_lens.TranscoderConfig(d_in=I, d_out=O, d_sae=width, k=args.k))
+    tc = mxd_lens.TopKTranscoder(mxd_lens.TopKTranscoderConfig(d_in=I, d_out=O, d_sae=width, k=args.k))
     dims = Dims(**{**dims.__dict__, "params_mxd": _n_params(mxd), "params_tc": _n_params(tc)})
     with torch.no_grad():
         # W_out (D) starts at zero; make it non-zero so the step is representative (D = 0 would

@@ -9,13 +9,15 @@ TransformerLens models, in SAELens's format.
 
 from mxd_lens.hooks import capture_mlp_io, layer_metadata, splice
 from mxd_lens.layers import (
+    ARCHITECTURES,
     MxD,
     MxDConfig,
-    SkipTranscoder,
-    SkipTranscoderConfig,
-    Transcoder,
-    TranscoderConfig,
+    TopKSkipTranscoder,
+    TopKSkipTranscoderConfig,
+    TopKTranscoder,
+    TopKTranscoderConfig,
     register,
+    register_architecture,
 )
 from mxd_lens.layers.io import load_layer
 from mxd_lens.matching import match_experts
@@ -24,17 +26,26 @@ register()
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name: str):
+    from mxd_lens.layers.transcoder import deprecated_name
+
+    return deprecated_name(__name__, name)
+
+
 __all__ = [
+    "ARCHITECTURES",
     "MxD",
     "MxDConfig",
-    "SkipTranscoder",
-    "SkipTranscoderConfig",
-    "Transcoder",
-    "TranscoderConfig",
+    "TopKSkipTranscoder",
+    "TopKSkipTranscoderConfig",
+    "TopKTranscoder",
+    "TopKTranscoderConfig",
     "capture_mlp_io",
     "layer_metadata",
     "load_layer",
     "match_experts",
     "register",
+    "register_architecture",
     "splice",
 ]

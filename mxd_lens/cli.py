@@ -46,7 +46,7 @@ def _check(args: argparse.Namespace) -> int:
             layers = {
                 "MxD.from_mlp": mxd_lens.MxD.from_mlp(model, 1),
                 f"MxD (N={n}, untrained)": mxd_lens.MxD.for_model(model, 1, d_sae=n, k=args.k),
-                f"Transcoder (H={width}, untrained)": mxd_lens.Transcoder.for_model(
+                f"Transcoder (H={width}, untrained)": mxd_lens.TopKTranscoder.for_model(
                     model, 1, d_sae=width, k=args.k
                 ),
             }
@@ -311,6 +311,8 @@ def _default(name: str) -> Any:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    import mxd_lens  # the architecture table, with any registered before the parser is built
+
     parser = argparse.ArgumentParser(
         prog="mxd-lens", description="Sparse MLP replacements for TransformerLens models."
     )
@@ -408,7 +410,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--arch",
         nargs="+",
         default=["mxd", "transcoder"],
-        choices=["mxd", "transcoder", "skip_transcoder"],
+        choices=list(mxd_lens.ARCHITECTURES),
         help="architectures (default: mxd transcoder)",
     )
     train.add_argument(

@@ -54,18 +54,8 @@ from mxd_lens.checkpoints import (  # noqa: F401 (CheckpointError, RunLocked re-
     save_checkpoint_dir,
 )
 from mxd_lens.firing import FiringTracker
-from mxd_lens.layers import (
-    MLPReplacement,
-    MxD,
-    MxDConfig,
-    SkipTranscoder,
-    SkipTranscoderConfig,
-    Transcoder,
-    TranscoderConfig,
-)
-from mxd_lens.matching import match_experts
+from mxd_lens.layers import MLPReplacement, MxD, get_architecture
 
-ARCHITECTURES = ("mxd", "transcoder", "skip_transcoder")
 NORMALIZATIONS = ("none", "input", "input_output")
 SCHEDULES = ("constant", "linear", "cosine")
 
@@ -83,17 +73,18 @@ class LearnerSpec:
     """One layer to train. ``width_multiplier`` m sets the transcoder width H = m * d_in; an MxD gets
     the experts that match that transcoder's parameters (``match_experts``)."""
 
-    arch: Literal["mxd", "transcoder", "skip_transcoder"]
+    arch: str  # a key of mxd_lens.ARCHITECTURES (the built-in ones, or one registered)
     layer: int
     k: int
     width_multiplier: int = 8
     init: Literal["default", "mlp"] = "default"  # "mlp": MxD's E, b_E, D copied from the host MLP
-    normalize_decoder: bool | None = None  # None: on for MxD and transcoder, off for the skip transcoder
+    normalize_decoder: bool | None = (
+        None  # None: the architecture's unit_norm_decoder (off for the skip transcoder)
+    )
 
     def __post_init__(self) -> None:
-        if self.arch not in ARCHITECTURES:
-            raise ValueError(f"arch {self.arch!r} unknown; choose one of {ARCHITECTURES}")
-        if self.init == "mlp" and self.arch != "mxd":
+        get_architecture(self.arch)  # a clear error for an unknown key
+        if self.init == "mlp" and not issubclass(get_architecture(self.arch), MxD):
             raise ValueError(f"init='mlp' copies the host MLP into an MxD; {self.arch} has no such part")
 
     @property
@@ -103,8 +94,9 @@ class LearnerSpec:
 
     @property
     def normalizes_decoder(self) -> bool:
-        # The skip transcoder's decoder starts at zero: unit rows are undefined there (NaN in the reference).
-        return self.arch != "skip_transcoder" if self.normalize_decoder is None else self.normalize_decoder
+        if self.normalize_decoder is None:
+            return get_architecture(self.arch).unit_norm_decoder
+        return self.normalize_decoder
 
 
 @dataclass
@@ -235,19 +227,8 @@ def build_layer(
         ),
     )
     torch.manual_seed(seed)
-    if spec.arch == "mxd":
-        n = match_experts(width, info.d_in, info.d_out, info.d_hidden, glu=info.gated)
-        cfg = MxDConfig(
-            d_sae=n,
-            d_hidden=info.d_hidden,
-            activation=info.activation,
-            hidden_form="glu" if info.gated else "mlp",
-            **common,
-        )
-        return MxD(cfg)
-    if spec.arch == "transcoder":
-        return Transcoder(TranscoderConfig(d_sae=width, **common))
-    return SkipTranscoder(SkipTranscoderConfig(d_sae=width, **common))
+    layer_cls = get_architecture(spec.arch)
+    return layer_cls(layer_cls.config_for_stream(info, width, **common))
 
 
 @dataclass

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from conftest import D_VOCAB, make_model, randomise
 
 import mxd_lens
-from mxd_lens import MxD, Transcoder, data
+from mxd_lens import MxD, TopKTranscoder, data
 from mxd_lens.evaluation import check_disjoint, evaluate
 
 
@@ -51,7 +51,7 @@ def test_numbers_match_direct_computation(kind):
     model = make_model(kind)
     data = batches()
     mxd = randomise(MxD.for_model(model, 1, d_sae=24, k=4))
-    tc = randomise(Transcoder.for_model(model, 2, d_sae=24, k=4), seed=1)
+    tc = randomise(TopKTranscoder.for_model(model, 2, d_sae=24, k=4), seed=1)
     rows = {
         r["name"]: r for r in evaluate(model, {"mxd": mxd, "tc": tc}, data, together=True, progress=False)
     }
@@ -117,11 +117,11 @@ def test_the_mlp_itself_recovers_everything():
 
 def test_layers_from_another_model_are_refused():
     model = make_model("gpt2")
-    other = Transcoder.for_model(make_model("gated"), 1, d_sae=8, k=2)
+    other = TopKTranscoder.for_model(make_model("gated"), 1, d_sae=8, k=2)
     with pytest.raises(ValueError, match="trained on 'tiny-gated', but this model is 'tiny-gpt2'"):
         evaluate(model, [other], batches(1), progress=False)
     with pytest.raises(ValueError, match="no token batches"):
-        evaluate(model, [Transcoder.for_model(model, 1, d_sae=8, k=2)], [], progress=False)
+        evaluate(model, [TopKTranscoder.for_model(model, 1, d_sae=8, k=2)], [], progress=False)
 
 
 def test_overlapping_evaluation_text_is_refused():

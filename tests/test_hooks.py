@@ -7,7 +7,7 @@ import torch
 from conftest import make_model, randomise
 
 import mxd_lens
-from mxd_lens import MxD, SkipTranscoder, Transcoder, hooks
+from mxd_lens import MxD, TopKSkipTranscoder, TopKTranscoder, hooks
 
 
 def _mlp_input_by_hand(model, layer, tokens):
@@ -53,7 +53,7 @@ def test_spliced_from_mlp_keeps_the_logits(any_model, tokens):
     torch.testing.assert_close(spliced, clean, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("layer_type", [MxD, Transcoder, SkipTranscoder])
+@pytest.mark.parametrize("layer_type", [MxD, TopKTranscoder, TopKSkipTranscoder])
 def test_error_term_restores_clean_logits_and_exit_restores_model(any_model, tokens, layer_type):
     clean = any_model(tokens)
     layer = randomise(layer_type.for_model(any_model, 1, d_sae=24, k=4))
@@ -87,7 +87,7 @@ def test_error_term_passes_gradients_and_code_edits_through(tokens):
 def test_model_is_restored_after_an_exception(tokens):
     model = make_model("gated")
     clean = model(tokens)
-    layers = [randomise(Transcoder.for_model(model, i, d_sae=20, k=3), seed=i) for i in (0, 2)]
+    layers = [randomise(TopKTranscoder.for_model(model, i, d_sae=20, k=3), seed=i) for i in (0, 2)]
     with pytest.raises(KeyError, match="boom"):
         with mxd_lens.splice(model, *layers):
             assert (model(tokens) - clean).abs().max() > 1e-3
@@ -128,17 +128,17 @@ def test_bad_layers_and_models_are_refused(tokens):
     with pytest.raises(ValueError, match="layer 3 does not exist.*0..2"):
         MxD.from_mlp(model, 3)
     with pytest.raises(ValueError, match="layer -1 does not exist"):
-        Transcoder.for_model(model, -1, d_sae=8, k=2)
-    wide = Transcoder.for_model(model, 0, d_sae=8, k=2)
+        TopKTranscoder.for_model(model, -1, d_sae=8, k=2)
+    wide = TopKTranscoder.for_model(model, 0, d_sae=8, k=2)
     wide.cfg.d_in = wide.cfg.d_out = 32
     with pytest.raises(ValueError, match="maps 32 -> 32"):
         with mxd_lens.splice(model, wide):
             pass
-    orphan = Transcoder(mxd_lens.TranscoderConfig(d_in=16, d_out=16, d_sae=8, k=2))
+    orphan = TopKTranscoder(mxd_lens.TopKTranscoderConfig(d_in=16, d_out=16, d_sae=8, k=2))
     with pytest.raises(ValueError, match="hook_name_out=None"):
         with mxd_lens.splice(model, orphan):
             pass
-    a, b = (Transcoder.for_model(model, 1, d_sae=8, k=2) for _ in range(2))
+    a, b = (TopKTranscoder.for_model(model, 1, d_sae=8, k=2) for _ in range(2))
     with pytest.raises(ValueError, match="two layers target block 1"):
         with mxd_lens.splice(model, a, b):
             pass
@@ -150,7 +150,7 @@ def test_bad_layers_and_models_are_refused(tokens):
 
 def test_metadata_names_the_hooks():
     model = make_model("gpt2")
-    meta = Transcoder.for_model(model, 2, d_sae=8, k=2).cfg.metadata
+    meta = TopKTranscoder.for_model(model, 2, d_sae=8, k=2).cfg.metadata
     assert (meta.hook_name, meta.hook_name_out, meta.model_name) == (
         "blocks.2.mlp.hook_in",
         "blocks.2.hook_mlp_out",

@@ -7,7 +7,7 @@ import pytest
 import torch
 from conftest import D_VOCAB, make_model, make_text_model, randomise
 
-from mxd_lens import MxD, Transcoder, capture_mlp_io
+from mxd_lens import MxD, TopKTranscoder, capture_mlp_io
 from mxd_lens.analysis.inspect import _batch_top, to_html, top_activations
 
 
@@ -35,7 +35,7 @@ def brute_force(model, layer, batches, features, n, skip_bos):
 
 
 @pytest.mark.parametrize("kind", ["gpt2", "parallel"])
-@pytest.mark.parametrize("arch", [MxD, Transcoder])
+@pytest.mark.parametrize("arch", [MxD, TopKTranscoder])
 @pytest.mark.parametrize("n, skip_bos", [(5, True), (40, True), (200, False)])
 def test_streaming_top_n_equals_brute_force(kind, arch, n, skip_bos):
     model = make_model(kind)
@@ -93,7 +93,7 @@ WORDS = [
 @pytest.fixture(scope="module")
 def text_run(tmp_path_factory):
     model, _ = make_text_model(tmp_path_factory.mktemp("text"))
-    layer = randomise(Transcoder.for_model(model, 1, d_sae=16, k=4), seed=2)
+    layer = randomise(TopKTranscoder.for_model(model, 1, d_sae=16, k=4), seed=2)
     bos = model.tokenizer.bos_token_id
     rows = [
         torch.tensor([[bos, *model.tokenizer(" ".join(w), add_special_tokens=False)["input_ids"]]])

@@ -8,7 +8,14 @@ import pytest
 import torch
 from conftest import randomise
 
-from mxd_lens import MxD, MxDConfig, SkipTranscoder, SkipTranscoderConfig, Transcoder, TranscoderConfig
+from mxd_lens import (
+    MxD,
+    MxDConfig,
+    TopKSkipTranscoder,
+    TopKSkipTranscoderConfig,
+    TopKTranscoder,
+    TopKTranscoderConfig,
+)
 from mxd_lens.layers import ops
 
 I, O, H_STAR, N, K = 6, 5, 7, 13, 3
@@ -25,8 +32,12 @@ def make_layers(dtype="float32"):
     return {
         "mxd": make_mxd(dtype=dtype),
         "mxd_glu": make_mxd("glu", "silu", dtype=dtype),
-        "transcoder": randomise(Transcoder(TranscoderConfig(d_in=I, d_out=O, d_sae=N, k=K, dtype=dtype))),
-        "skip": randomise(SkipTranscoder(SkipTranscoderConfig(d_in=I, d_out=O, d_sae=N, k=K, dtype=dtype))),
+        "transcoder": randomise(
+            TopKTranscoder(TopKTranscoderConfig(d_in=I, d_out=O, d_sae=N, k=K, dtype=dtype))
+        ),
+        "skip": randomise(
+            TopKSkipTranscoder(TopKSkipTranscoderConfig(d_in=I, d_out=O, d_sae=N, k=K, dtype=dtype))
+        ),
     }
 
 

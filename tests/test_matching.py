@@ -1,6 +1,6 @@
 import pytest
 
-from mxd_lens import MxD, MxDConfig, Transcoder, TranscoderConfig, match_experts
+from mxd_lens import MxD, MxDConfig, TopKTranscoder, TopKTranscoderConfig, match_experts
 
 
 @pytest.mark.parametrize(
@@ -21,7 +21,7 @@ def test_matched_layers_have_equal_weight_counts(glu):
     d, h_star, width = 24, 40, 8 * 24
     n = match_experts(width, d, d, h_star, glu=glu)
     mxd = MxD(MxDConfig(d_in=d, d_out=d, d_sae=n, k=4, d_hidden=h_star, hidden_form="glu" if glu else "mlp"))
-    tc = Transcoder(TranscoderConfig(d_in=d, d_out=d, d_sae=width, k=4))
+    tc = TopKTranscoder(TopKTranscoderConfig(d_in=d, d_out=d, d_sae=width, k=4))
     mxd_count = sum(
         p.numel() for name, p in mxd.named_parameters() if name not in ("b_in", "b_in_gate", "b_dec")
     )

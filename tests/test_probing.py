@@ -14,7 +14,7 @@ from conftest import WORDS, make_text_model, randomise
 from mxd_lens.analysis import probing
 from mxd_lens.analysis.tasks import TaskSet, binary_task, jsonl_task_set, splits
 from mxd_lens.hooks import capture_mlp_io
-from mxd_lens.layers import MxD, Transcoder
+from mxd_lens.layers import MxD, TopKTranscoder
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +42,7 @@ def labelled_file(path, n_per_class=30, classes=("cat", "dog", "bird"), seed=0):
 
 def test_pooling_equals_one_text_at_a_time(text_model):
     layers = {"mxd": randomise(MxD.for_model(text_model, 1, d_sae=12, k=3, d_hidden=8), 1),
-              "tc": randomise(Transcoder.for_model(text_model, 1, d_sae=20, k=4), 2)}  # fmt: skip
+              "tc": randomise(TopKTranscoder.for_model(text_model, 1, d_sae=20, k=4), 2)}  # fmt: skip
     texts = ["the cat sat on a mat", "dogs", "birds sang songs of rain over green hills and the cat ran",
              "a mat while dogs ran"]  # fmt: skip
     pooled = probing.pooled_activations(text_model, layers, texts, dense_layers=[0, 1], context_size=8,
@@ -100,7 +100,7 @@ def test_run_probing_finds_the_planted_feature(text_model, tmp_path):
     path = labelled_file(tmp_path / "animals.jsonl.xz")
     task_set = jsonl_task_set(path, ["cat", "dog", "bird"], per_class=30)
     # a transcoder whose latent 5 reads exactly the 'cat' token's MLP input (all latents kept: k = d_sae)
-    layer = Transcoder.for_model(text_model, 1, d_sae=16, k=16)
+    layer = TopKTranscoder.for_model(text_model, 1, d_sae=16, k=16)
     randomise(layer, 3, scale=0.01)
     cat = text_model.tokenizer("cat", add_special_tokens=False)["input_ids"]
     with capture_mlp_io(text_model, [1]) as io:
@@ -139,7 +139,7 @@ def test_pooled_cache_files_get_the_mode_open_would_give(text_model, tmp_path):
     examples = jsonl_task_set(
         labelled_file(tmp_path / "a.jsonl.xz", n_per_class=5), ["cat", "dog"], per_class=5
     ).load()
-    layer = randomise(Transcoder.for_model(text_model, 1, d_sae=8, k=2), 1)
+    layer = randomise(TopKTranscoder.for_model(text_model, 1, d_sae=8, k=2), 1)
     old = os.umask(0o022)
     try:
         probing.PooledCache(tmp_path / "cache").get(text_model, examples, {"tc": layer}, [], context_size=12,
@@ -180,7 +180,7 @@ def test_bad_input(tmp_path, text_model):
         jsonl_task_set(path, ["cat", "dog"], per_class=10).load()
     with pytest.raises(ValueError, match="tokenises to nothing"):
         probing.tokenize_texts(text_model, ["the cat", ""], 8)
-    layer = Transcoder.for_model(text_model, 1, d_sae=16, k=4)
+    layer = TopKTranscoder.for_model(text_model, 1, d_sae=16, k=4)
     task_set = jsonl_task_set(path, ["cat", "dog"], per_class=6)
     with pytest.raises(ValueError, match="k=17"):
         probing.run_probing(text_model, [task_set], {"tc": layer}, ks=[17], context_size=12, progress=False)

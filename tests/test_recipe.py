@@ -94,7 +94,11 @@ def _dense_aux_reference(layer, x, y, dead, k_aux, coef, loss_scale):
         zD = layer.hidden(x) @ layer.W_out
         out, e_hat = zD * mixture + layer.b_dec, zD.detach() * aux_mixture
     else:
-        out = mixture + layer.b_dec + (x @ layer.W_skip if isinstance(layer, mxd_lens.SkipTranscoder) else 0)
+        out = (
+            mixture
+            + layer.b_dec
+            + (x @ layer.W_skip if isinstance(layer, mxd_lens.TopKSkipTranscoder) else 0)
+        )
         e_hat = aux_mixture
     mse = (out - y).pow(2).sum(-1).mean() / loss_scale
     scale = min(int(dead.sum()) / k_aux, 1.0)
@@ -108,8 +112,8 @@ def test_auxk_matches_a_dense_reference_and_reaches_only_dead_units(arch):
     torch.manual_seed(1)
     layer = {
         "mxd": mxd_lens.MxD,
-        "transcoder": mxd_lens.Transcoder,
-        "skip_transcoder": mxd_lens.SkipTranscoder,
+        "transcoder": mxd_lens.TopKTranscoder,
+        "skip_transcoder": mxd_lens.TopKSkipTranscoder,
     }[arch].for_model(model, 1, d_sae=48, k=4)
     with torch.no_grad():  # a layer mid-training: every part non-zero
         for p in layer.parameters():

@@ -10,9 +10,9 @@ from conftest import make_model, randomise
 from sae_lens import SAE, HookedSAETransformer
 
 import mxd_lens
-from mxd_lens import MxD, SkipTranscoder, Transcoder
+from mxd_lens import MxD, TopKSkipTranscoder, TopKTranscoder
 
-LAYER_TYPES = [MxD, Transcoder, SkipTranscoder]
+LAYER_TYPES = [MxD, TopKTranscoder, TopKSkipTranscoder]
 
 
 @pytest.mark.parametrize("kind", ["gpt2", "gated"])
@@ -80,7 +80,7 @@ def test_registration_is_idempotent_and_names_are_ours():
     mxd_lens.register()
     mxd_lens.register()
     assert SAE_CLASS_REGISTRY["mxd_lens.mxd"][0] is MxD
-    assert SAE_CLASS_REGISTRY["transcoder"][0] is not Transcoder  # SAELens's own stays
+    assert SAE_CLASS_REGISTRY["transcoder"][0] is not TopKTranscoder  # SAELens's own stays
 
 
 def test_bad_folders_are_refused(tmp_path):
@@ -96,7 +96,7 @@ def test_bad_folders_are_refused(tmp_path):
     with pytest.raises(ValueError, match="'standard', not one of mxd-lens's"):
         mxd_lens.load_layer(tmp_path / "standard")
     # Weights of another of our architectures under an MxD config.
-    Transcoder.for_model(model, 0, d_sae=8, k=2).save_model(tmp_path / "tc")
+    TopKTranscoder.for_model(model, 0, d_sae=8, k=2).save_model(tmp_path / "tc")
     MxD.for_model(model, 0, d_sae=8, k=2).save_model(tmp_path / "mxd")
     (tmp_path / "mxd" / "sae_weights.safetensors").replace(tmp_path / "mxd" / "tc_weights")
     (tmp_path / "tc" / "sae_weights.safetensors").replace(tmp_path / "mxd" / "sae_weights.safetensors")
@@ -115,7 +115,7 @@ def test_saved_files_get_the_mode_open_would_give(tmp_path):
     import stat
 
     model = make_model("gpt2")
-    Transcoder.for_model(model, 0, d_sae=8, k=2).save_model(tmp_path / "tc")
+    TopKTranscoder.for_model(model, 0, d_sae=8, k=2).save_model(tmp_path / "tc")
     (tmp_path / "plain").write_text("x")
     expected = stat.S_IMODE(os.stat(tmp_path / "plain").st_mode)
     for name in ("cfg.json", "sae_weights.safetensors"):

@@ -10,7 +10,7 @@ from conftest import make_model, make_text_model, randomise
 import mxd_lens
 from mxd_lens.analysis import steering
 from mxd_lens.hooks import capture_mlp_io, spliced_layers
-from mxd_lens.layers import MxD, Transcoder
+from mxd_lens.layers import MxD, TopKTranscoder
 
 
 def dense_output(layer, x, codes):
@@ -20,7 +20,7 @@ def dense_output(layer, x, codes):
     return codes @ layer.W_dec + layer.b_dec + (x @ layer.W_skip if hasattr(layer, "W_skip") else 0)
 
 
-@pytest.mark.parametrize("cls", [MxD, Transcoder])
+@pytest.mark.parametrize("cls", [MxD, TopKTranscoder])
 @pytest.mark.parametrize("mode", ["add", "clamp"])
 def test_steer_edits_one_code_at_every_position(cls, mode, tokens):
     model = make_model("gated")
@@ -86,7 +86,7 @@ def test_generation_scorers_and_sweep(tmp_path):
     from sklearn.linear_model import LogisticRegression
 
     model, _ = make_text_model(tmp_path)
-    layer = randomise(Transcoder.for_model(model, 1, d_sae=16, k=4), 4)
+    layer = randomise(TopKTranscoder.for_model(model, 1, d_sae=16, k=4), 4)
     g1 = steering.generate(model, "the cat", n_samples=3, max_new_tokens=4, seed=5)
     g2 = steering.generate(model, "the cat", n_samples=3, max_new_tokens=4, seed=5)
     assert torch.equal(g1.tokens, g2.tokens) and g1.tokens.shape == (3, g1.prompt_len + 4)

@@ -198,7 +198,7 @@ def test_training_computes_only_the_blocks_it_uses(tmp_path):
 def test_bad_configs_are_refused():
     with pytest.raises(ValueError, match="total_tokens=10 is less than one batch of 100"):
         TrainConfig(total_tokens=10, batch_tokens=100)
-    with pytest.raises(ValueError, match="arch 'sae' unknown"):
+    with pytest.raises(ValueError, match="architecture 'sae' unknown"):
         LearnerSpec("sae", 0, 4)
     with pytest.raises(ValueError, match="init='mlp'"):
         LearnerSpec("transcoder", 0, 4, init="mlp")

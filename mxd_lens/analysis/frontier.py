@@ -31,11 +31,10 @@ from mxd_lens import data
 from mxd_lens.activations import MANIFEST, CachedActivations, ModelActivations, write_cache
 from mxd_lens.evaluation import check_disjoint, evaluate
 from mxd_lens.fileio import atomic_write_text
+from mxd_lens.layers import BUILT_IN, get_architecture
 from mxd_lens.training import LearnerSpec, TrainConfig, Trainer
 
 log = logging.getLogger(__name__)
-
-METHODS = {"mxd": "MxD", "transcoder": "Transcoder", "skip_transcoder": "Skip transcoder"}
 
 
 @dataclass
@@ -50,7 +49,7 @@ class FrontierConfig:
     eval_text: str | None = None  # held-out text (default: the 'eval' side of text's split)
     cache: str | None = None  # activation cache folder, shareable between studies (default: OUT/cache)
     width_multiplier: int = 8  # transcoder width m x d_model; MxD gets the experts that match its params
-    archs: list[str] = field(default_factory=lambda: list(METHODS))  # methods: mxd transcoder skip_transcoder
+    archs: list[str] = field(default_factory=lambda: list(BUILT_IN))  # keys of mxd_lens.ARCHITECTURES
     train_tokens: int = 1_000_000  # tokens cached from the train split
     epochs: float = 1.0  # passes over them
     eval_tokens: int = 25_600  # held-out tokens for CE, KL, FVU, L0, dead units
@@ -68,9 +67,8 @@ class FrontierConfig:
     def __post_init__(self) -> None:
         if self.text is None:
             self.text = str(data.default_text())
-        unknown = sorted(set(self.archs) - set(METHODS))
-        if unknown:
-            raise ValueError(f"unknown architectures {unknown}; choose from {list(METHODS)}")
+        for arch in self.archs:
+            get_architecture(arch)  # a clear error for an unknown key
         if not self.learners():
             raise ValueError("give at least one layer and one K (layers and ks, or grid)")
 
@@ -220,7 +218,7 @@ def run_frontier(
         for row in rows:
             spec = trainer.learners[row["name"]].spec
             row.update(
-                method=METHODS[spec.arch],
+                method=get_architecture(spec.arch).label,
                 seed=seed,
                 width_multiplier=spec.width_multiplier,
                 train_tokens=trainer.tokens_seen,

@@ -336,12 +336,8 @@ def run_probing(
 
 
 def layer_label(layer: MLPReplacement) -> str:
-    """'MxD K=32' / 'Transcoder K=32' / 'Skip transcoder K=32' from a layer's architecture."""
-    arch = layer.cfg.architecture().removeprefix("mxd_lens.")
-    method = {"mxd": "MxD", "topk_transcoder": "Transcoder", "skip_transcoder": "Skip transcoder"}.get(
-        arch, arch
-    )
-    return f"{method} K={layer.cfg.k}"
+    """'MxD K=32' / 'Transcoder K=32' / ...: the architecture's label and K."""
+    return f"{type(layer).label} K={layer.cfg.k}"
 
 
 def summarize(table: pd.DataFrame) -> pd.DataFrame:

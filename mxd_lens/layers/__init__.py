@@ -1,37 +1,45 @@
-"""Our layers: each a SAELens ``SAE`` subclass with its config, registered by ``register()``."""
+"""Our layers: each a SAELens ``SAE`` subclass with its config, in the one architecture table."""
+
+from typing import Any
 
 from mxd_lens.layers.base import LayerConfig, MLPReplacement
 from mxd_lens.layers.mxd import MxD, MxDConfig
-from mxd_lens.layers.transcoder import SkipTranscoder, SkipTranscoderConfig, Transcoder, TranscoderConfig
-
-LAYER_TYPES: tuple[tuple[type[MLPReplacement], type[LayerConfig]], ...] = (
-    (MxD, MxDConfig),
-    (Transcoder, TranscoderConfig),
-    (SkipTranscoder, SkipTranscoderConfig),
+from mxd_lens.layers.registry import ARCHITECTURES, architecture_key, get_architecture, register_architecture
+from mxd_lens.layers.transcoder import (
+    TopKSkipTranscoder,
+    TopKSkipTranscoderConfig,
+    TopKTranscoder,
+    TopKTranscoderConfig,
+    deprecated_name,
 )
+
+BUILT_IN = {"mxd": MxD, "transcoder": TopKTranscoder, "skip_transcoder": TopKSkipTranscoder}
 
 
 def register() -> None:
-    """Register our architectures with SAELens so ``SAE.load_from_disk`` / ``from_pretrained`` build
-    them. Idempotent, and a re-import (notebook autoreload) replaces stale classes."""
-    from sae_lens.registry import SAE_CLASS_REGISTRY
+    """Register our architectures (here and with SAELens, so ``SAE.load_from_disk`` /
+    ``from_pretrained`` build them). Idempotent, and a re-import replaces stale classes."""
+    for key, layer_cls in BUILT_IN.items():
+        register_architecture(key, layer_cls)
 
-    for layer_cls, config_cls in LAYER_TYPES:
-        name = config_cls.architecture()
-        current = SAE_CLASS_REGISTRY.get(name)
-        if current is not None and current[0].__module__ != layer_cls.__module__:
-            raise RuntimeError(f"SAELens architecture {name!r} is already taken by {current[0]!r}")
-        SAE_CLASS_REGISTRY[name] = (layer_cls, config_cls)
+
+def __getattr__(name: str) -> Any:
+    return deprecated_name(__name__, name)
 
 
 __all__ = [
+    "ARCHITECTURES",
+    "BUILT_IN",
     "LayerConfig",
     "MLPReplacement",
     "MxD",
     "MxDConfig",
-    "SkipTranscoder",
-    "SkipTranscoderConfig",
-    "Transcoder",
-    "TranscoderConfig",
+    "TopKSkipTranscoder",
+    "TopKSkipTranscoderConfig",
+    "TopKTranscoder",
+    "TopKTranscoderConfig",
+    "architecture_key",
+    "get_architecture",
     "register",
+    "register_architecture",
 ]

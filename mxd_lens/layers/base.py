@@ -16,7 +16,7 @@ import json
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, ClassVar, NamedTuple, TypeVar
 
 import torch
 from sae_lens import SAE, SAEConfig
@@ -92,9 +92,16 @@ class _Stash:
 
 
 class MLPReplacement(SAE[C]):
-    """Base class of MxD and the transcoders. Not registered; use a subclass."""
+    """Base class of MxD and the transcoders. Not registered; use a subclass.
+
+    A subclass names its config class (``config_class``), how tables and plots name it (``label``)
+    and whether the trainer keeps its decoder rows at unit norm (``unit_norm_decoder``); it is
+    registered under a key with ``mxd_lens.register_architecture`` (docs/custom_layers.md)."""
 
     cfg: C
+    config_class: ClassVar[type[LayerConfig]]
+    label: ClassVar[str]
+    unit_norm_decoder: ClassVar[bool] = True
     needs_decode_context = True
 
     def __init__(self, cfg: C, use_error_term: bool = False):
@@ -117,19 +124,18 @@ class MLPReplacement(SAE[C]):
             **cls._model_defaults(model),
             **cfg_fields,
         }
-        config_cls = cls.get_sae_config_class_for_architecture(cls._architecture())
-        return cls(config_cls(**fields))
+        return cls(cls.config_class(**fields))
 
     @classmethod
     def _model_defaults(cls, model: Any) -> dict[str, Any]:
         return {}
 
     @classmethod
-    def _architecture(cls) -> str:
-        for name, (sae_cls, _) in _registry().items():
-            if sae_cls is cls:
-                return name
-        raise RuntimeError(f"{cls.__name__} is not registered with SAELens; import mxd_lens first")
+    def config_for_stream(cls, info: Any, width: int, **common: Any) -> LayerConfig:
+        """The config of a layer for an activation stream (``info``: an ``activations.StreamInfo``)
+        costing about as many parameters as a TopK transcoder of ``width`` latents; ``common`` are the
+        fields every layer has (d_in, d_out, k, dtype, device, metadata). Default: ``width`` units."""
+        return cls.config_class(d_sae=width, **common)
 
     @classmethod
     def get_sae_config_class_for_architecture(cls, architecture: str) -> type[SAEConfig]:

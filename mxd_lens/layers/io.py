@@ -16,7 +16,7 @@ def load_layer(path: str | Path, device: str = "cpu", dtype: str | None = None) 
     gives the same object once ``mxd_lens`` is imported, this adds clear errors for bad folders."""
     from sae_lens import SAE
 
-    from mxd_lens.layers import LAYER_TYPES
+    from mxd_lens.layers import ARCHITECTURES
 
     path = Path(path)
     if not path.is_dir():
@@ -32,7 +32,7 @@ def load_layer(path: str | Path, device: str = "cpu", dtype: str | None = None) 
         cfg = json.loads((path / SAE_CFG_FILENAME).read_text())
     except json.JSONDecodeError as err:
         raise ValueError(f"{path / SAE_CFG_FILENAME} is not valid JSON ({err})") from None
-    ours = [config_cls.architecture() for _, config_cls in LAYER_TYPES]
+    ours = [layer_cls.config_class.architecture() for layer_cls in ARCHITECTURES.values()]
     architecture = cfg.get("architecture") if isinstance(cfg, dict) else None
     if architecture not in ours:
         raise ValueError(

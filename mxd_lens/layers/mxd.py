@@ -13,7 +13,7 @@ G = ``W_enc``, b_G = ``b_enc``, C = ``W_dec``, b = ``b_dec`` (SAELens's names wh
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch import nn
@@ -54,6 +54,9 @@ class MxDConfig(LayerConfig):
 
 class MxD(MLPReplacement[MxDConfig]):
     """A sparse mixture of N full-rank linear experts over the host MLP's hidden layer."""
+
+    config_class = MxDConfig
+    label = "MxD"
 
     W_in: nn.Parameter
     b_in: nn.Parameter
@@ -103,6 +106,21 @@ class MxD(MLPReplacement[MxDConfig]):
     def expert_weights(self, n: int) -> torch.Tensor:
         """W_n = D diag(c_n) [d_hidden, d_out]: expert n as the linear map it applies to z."""
         return self.W_out * self.W_dec[n]
+
+    @classmethod
+    def config_for_stream(cls, info: Any, width: int, **common: Any) -> MxDConfig:
+        """The experts that cost as many parameters as a ``width``-latent transcoder (``match_experts``),
+        over a hidden layer as wide as the host's, in its form (GLU for gated hosts)."""
+        from mxd_lens.matching import match_experts
+
+        n = match_experts(width, info.d_in, info.d_out, info.d_hidden, glu=info.gated)
+        return MxDConfig(
+            d_sae=n,
+            d_hidden=info.d_hidden,
+            activation=info.activation,
+            hidden_form="glu" if info.gated else "mlp",
+            **common,
+        )
 
     @classmethod
     def _model_defaults(cls, model: HookedTransformer) -> dict[str, object]:

@@ -1,8 +1,8 @@
 """TopK transcoder and skip transcoder: the paper's baselines.
 
     f = TopK_K(ReLU(x W_enc + b_enc))     [..., d_sae] latents: the codes
-    y = f W_dec + b_dec                    Transcoder
-    y = f W_dec + b_dec + x W_skip         SkipTranscoder (W_skip [d_in, d_out], no bias)
+    y = f W_dec + b_dec                    TopKTranscoder
+    y = f W_dec + b_dec + x W_skip         TopKSkipTranscoder (W_skip [d_in, d_out], no bias)
 
 Unlike SAELens's inference-only ``skip_transcoder``, ``decode(encode(x))`` includes the skip term
 (encode stashes x), so splicing through ``HookedSAETransformer`` gives the same output as forward.
@@ -10,7 +10,9 @@ Unlike SAELens's inference-only ``skip_transcoder``, ``decode(encode(x))`` inclu
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -19,22 +21,24 @@ from mxd_lens.layers.base import LayerConfig, MLPReplacement
 
 
 @dataclass
-class TranscoderConfig(LayerConfig):
+class TopKTranscoderConfig(LayerConfig):
     @classmethod
     def architecture(cls) -> str:
         return "mxd_lens.topk_transcoder"
 
 
 @dataclass
-class SkipTranscoderConfig(TranscoderConfig):
+class TopKSkipTranscoderConfig(TopKTranscoderConfig):
     @classmethod
     def architecture(cls) -> str:
         return "mxd_lens.skip_transcoder"
 
 
-class Transcoder(MLPReplacement[TranscoderConfig]):
+class TopKTranscoder(MLPReplacement[TopKTranscoderConfig]):
     """TopK transcoder: a sparse dictionary from the MLP input to the MLP output."""
 
+    config_class = TopKTranscoderConfig
+    label = "Transcoder"
     needs_decode_context = False
     W_enc: nn.Parameter
     b_enc: nn.Parameter
@@ -48,8 +52,13 @@ class Transcoder(MLPReplacement[TranscoderConfig]):
         return mixture + self.b_dec
 
 
-class SkipTranscoder(MLPReplacement[SkipTranscoderConfig]):
+class TopKSkipTranscoder(MLPReplacement[TopKSkipTranscoderConfig]):
     """TopK transcoder plus a dense linear skip path ``x W_skip``."""
+
+    config_class = TopKSkipTranscoderConfig
+    label = "Skip transcoder"
+    # The decoder starts at zero: unit rows are undefined there (NaN in the reference).
+    unit_norm_decoder = False
 
     W_enc: nn.Parameter
     b_enc: nn.Parameter
@@ -72,3 +81,29 @@ class SkipTranscoder(MLPReplacement[SkipTranscoderConfig]):
 
     def _output(self, mixture: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         return mixture + self.b_dec + x @ self.W_skip
+
+
+_RENAMED = {
+    "Transcoder": "TopKTranscoder",
+    "TranscoderConfig": "TopKTranscoderConfig",
+    "SkipTranscoder": "TopKSkipTranscoder",
+    "SkipTranscoderConfig": "TopKSkipTranscoderConfig",
+}
+
+
+def deprecated_name(module: str, name: str) -> Any:
+    """The class an old name stands for, with a DeprecationWarning (the old names shadowed SAELens's
+    ``Transcoder`` & co.; they go in the next release)."""
+    if name not in _RENAMED:
+        raise AttributeError(f"module {module!r} has no attribute {name!r}")
+    warnings.warn(
+        f"mxd_lens {name} is renamed {_RENAMED[name]} (the old name shadowed sae_lens.{name}); "
+        "the old name goes in the next release",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    return globals()[_RENAMED[name]]
+
+
+def __getattr__(name: str) -> Any:
+    return deprecated_name(__name__, name)

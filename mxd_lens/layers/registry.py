@@ -1,0 +1,69 @@
+"""The one table of architectures: a key (what the trainer, the CLI, the frontier and tables use) to a
+layer class. A layer class carries everything else about its architecture: its config class
+(``config_class``, whose ``architecture()`` is the SAELens name in ``cfg.json``), how tables name it
+(``label``), whether the trainer keeps its decoder rows at unit norm (``unit_norm_decoder``) and how
+to size it for an activation stream (``config_for_stream``).
+
+Adding an architecture is one new file (the layer and its config) and one ``register_architecture``
+call (docs/custom_layers.md works one through).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from mxd_lens.layers.base import MLPReplacement
+
+ARCHITECTURES: dict[str, type[MLPReplacement]] = {}
+
+
+def register_architecture(key: str, layer_cls: type[MLPReplacement]) -> type[MLPReplacement]:
+    """Add ``layer_cls`` under ``key`` here and under its config's ``architecture()`` in SAELens's
+    registry (so ``SAE.load_from_disk`` builds it). Idempotent; a re-import (notebook autoreload)
+    replaces a stale class of the same module. Returns the class, so it can decorate one."""
+    from sae_lens.registry import SAE_CLASS_REGISTRY
+
+    from mxd_lens.layers.base import LayerConfig, MLPReplacement
+
+    if not (isinstance(layer_cls, type) and issubclass(layer_cls, MLPReplacement)):
+        raise TypeError(f"{layer_cls!r} is not an MLPReplacement subclass")
+    config_cls = getattr(layer_cls, "config_class", None)
+    if not (isinstance(config_cls, type) and issubclass(config_cls, LayerConfig)):
+        raise TypeError(
+            f"{layer_cls.__name__}.config_class must be a LayerConfig subclass, not {config_cls!r}"
+        )
+    if not key.isidentifier():
+        raise ValueError(f"architecture key {key!r} must be an identifier (it names files and options)")
+    name = config_cls.architecture()
+    for other_key, other in ARCHITECTURES.items():
+        stale = other.__module__ == layer_cls.__module__ and other.__qualname__ == layer_cls.__qualname__
+        if (
+            other is not layer_cls
+            and not stale
+            and (other_key == key or other.config_class.architecture() == name)
+        ):
+            raise RuntimeError(f"architecture {key!r} / {name!r} is already taken by {other!r}")
+    current = SAE_CLASS_REGISTRY.get(name)
+    if current is not None and current[0].__module__ != layer_cls.__module__:
+        raise RuntimeError(f"SAELens architecture {name!r} is already taken by {current[0]!r}")
+    ARCHITECTURES[key] = layer_cls
+    SAE_CLASS_REGISTRY[name] = (layer_cls, config_cls)
+    return layer_cls
+
+
+def get_architecture(key: str) -> type[MLPReplacement]:
+    """The layer class registered under ``key``; a clear error naming the choices otherwise."""
+    try:
+        return ARCHITECTURES[key]
+    except KeyError:
+        raise ValueError(f"architecture {key!r} unknown; choose one of {list(ARCHITECTURES)}") from None
+
+
+def architecture_key(layer: Any) -> str:
+    """The key of a layer (an instance or a class)."""
+    cls = layer if isinstance(layer, type) else type(layer)
+    for key, registered in ARCHITECTURES.items():
+        if registered is cls:
+            return key
+    raise ValueError(f"{cls.__name__} is not a registered architecture; call register_architecture first")
