@@ -7,6 +7,7 @@ TransformerLens models, in SAELens's format.
         loss = model(tokens, return_type="loss")
 """
 
+from mxd_lens import logs  # noqa: F401 (the mxd_lens logger's default handler)
 from mxd_lens.hooks import capture_mlp_io, layer_metadata, splice
 from mxd_lens.layers import (
     ARCHITECTURES,

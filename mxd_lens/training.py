@@ -32,8 +32,8 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import logging
 import math
-import sys
 import warnings
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -58,6 +58,9 @@ from mxd_lens.layers import MLPReplacement, MxD, get_architecture
 
 NORMALIZATIONS = ("none", "input", "input_output")
 SCHEDULES = ("constant", "linear", "cosine")
+
+
+log = logging.getLogger(__name__)
 
 
 class _Mismatch(ValueError):
@@ -314,10 +317,11 @@ class Trainer:
                 stacklevel=3,
             )
         elif epochs > 1:
-            print(
-                f"note: {self.total_tokens:,} training tokens are {epochs:.2f} epochs over the cache "
-                f"({self.epoch_tokens:,} tokens), each under a new shuffle",
-                file=sys.stderr,
+            log.info(
+                "note: %s training tokens are %.2f epochs over the cache (%s tokens), each under a new shuffle",
+                f"{self.total_tokens:,}",
+                epochs,
+                f"{self.epoch_tokens:,}",
             )
         if self.total_steps < 100:
             warnings.warn(
@@ -483,9 +487,8 @@ class Trainer:
         if self.progress:
             bar.set_postfix_str(summary, refresh=False)
         else:
-            print(
-                f"step {self.step}/{self.total_steps} lr {self.lr_at(self.step - 1):.2e} | {summary}",
-                flush=True,
+            log.info(
+                "step %d/%d lr %.2e | %s", self.step, self.total_steps, self.lr_at(self.step - 1), summary
             )
         if wandb_run is not None:
             wandb_run.log(

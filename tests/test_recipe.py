@@ -306,7 +306,7 @@ def test_learning_rate_schedule():
 
 def test_text_log_lines_without_a_progress_bar(tmp_path, capsys):
     Trainer([LearnerSpec("mxd", 1, k=4)], live(), cfg(log_every=4), tmp_path, progress=False).fit()
-    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("step ")]  # the logger
     assert [line.split()[1] for line in lines] == ["4/12", "8/12", "12/12"]
     assert "L1.mxd.k4.m8: fvu" in lines[0] and "dead" in lines[0]
 

@@ -141,8 +141,8 @@ def test_study_report_figure_and_table(setup, tmp_path) -> None:
     assert set(report["expected"]) == set(EXPECTED_CIRCUIT)
     # Untrained CI: almost every component is on, so no module matches the one-component circuit.
     assert not any(e["match"] for e in report["expected"].values())
-    path = plot_ci_by_position(report, tmp_path / "ci.png", title="tiny", max_components=2)
-    assert path.stat().st_size > 1000
+    fig = plot_ci_by_position(report, tmp_path / "ci.png", title="tiny", max_components=2)
+    assert (tmp_path / "ci.png").stat().st_size > 1000 and len(fig.axes) >= 2
     report["training"] = {"steps": 3}
     table = comparison_table({"a": report, "b": report}).splitlines()
     assert len(table) == 4 and table[2].startswith("| a | 3 |") and "Q0 alive / L0@m" in table[0]

@@ -375,13 +375,11 @@ def paired_difference(table: pd.DataFrame, a: str, b: str) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def plot_probing(table: pd.DataFrame, labels: Mapping[str, str], path: str | Path) -> None:
+def plot_probing(table: pd.DataFrame, labels: Mapping[str, str], path: str | Path | None = None) -> Any:
     """Mean test accuracy against k per layer (one panel per layer K, methods as lines, bars: standard
-    error over tasks), the dense MLP input/output probes as horizontal lines."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    error over tasks), the dense MLP input/output probes as horizontal lines. Returns the Figure
+    (saved to ``path`` when given)."""
+    from matplotlib.figure import Figure
 
     sparse = table[table.k != "all"].copy()
     sparse["label"] = sparse.source.map(labels)
@@ -389,7 +387,8 @@ def plot_probing(table: pd.DataFrame, labels: Mapping[str, str], path: str | Pat
     sparse["K"] = sparse.label.str.rsplit(" K=", n=1).str[1].astype(int)
     dense = table[table.k == "all"].groupby("source")["test_accuracy"].mean()
     Ks = sorted(sparse.K.unique())
-    fig, axes = plt.subplots(1, len(Ks), figsize=(4.2 * len(Ks), 3.8), sharey=True, squeeze=False)
+    fig = Figure(figsize=(4.2 * len(Ks), 3.8), layout="tight")
+    axes = fig.subplots(1, len(Ks), sharey=True, squeeze=False)
     for ax, K in zip(axes[0], Ks, strict=True):
         stats = sparse[sparse.K == K].groupby(["method", "k"])["test_accuracy"]
         group = stats.mean().rename("mean").to_frame()
@@ -406,6 +405,6 @@ def plot_probing(table: pd.DataFrame, labels: Mapping[str, str], path: str | Pat
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel(f"mean test accuracy ({table.task.nunique()} tasks)")
     axes[0][-1].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    if path is not None:
+        fig.savefig(path, dpi=120)
+    return fig

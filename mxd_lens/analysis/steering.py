@@ -21,6 +21,7 @@ import math
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -242,16 +243,17 @@ def sweep(
     return pd.DataFrame(rows)
 
 
-def plot_sweep(table: pd.DataFrame, path: str, concept: str = "concept", fluency: str = "perplexity") -> None:
+def plot_sweep(
+    table: pd.DataFrame, path: str | Path | None = None, concept: str = "concept", fluency: str = "perplexity"
+) -> Any:
     """Concept strength against fluency, one line per (method, task) along increasing alpha (the
-    paper's steerability-vs-coherence picture), with one panel per task."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    paper's steerability-vs-coherence picture), with one panel per task. Returns the Figure (saved
+    to ``path`` when given)."""
+    from matplotlib.figure import Figure
 
     tasks = list(dict.fromkeys(table["task"]))
-    fig, axes = plt.subplots(1, len(tasks), figsize=(4.2 * len(tasks), 3.8), squeeze=False)
+    fig = Figure(figsize=(4.2 * len(tasks), 3.8), layout="tight")
+    axes = fig.subplots(1, len(tasks), squeeze=False)
     for ax, task in zip(axes[0], tasks, strict=True):
         for method, rows in table[table.task == task].groupby("method", sort=False):
             rows = rows.sort_values("multiple")
@@ -269,6 +271,6 @@ def plot_sweep(table: pd.DataFrame, path: str, concept: str = "concept", fluency
         "point labels are alpha in units of the feature's max activation",
         fontsize=9,
     )
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    if path is not None:
+        fig.savefig(path, dpi=120)
+    return fig

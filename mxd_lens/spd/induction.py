@@ -17,6 +17,7 @@ eval accuracy stops improving. Checkpoints are written to a temporary folder and
 from __future__ import annotations
 
 import json
+import logging
 import math
 import time
 from dataclasses import asdict, dataclass
@@ -31,6 +32,8 @@ from mxd_lens import checkpoints
 from mxd_lens.fileio import atomic_write
 
 EVAL_SEED_OFFSET = 1_000_003  # the held-out batch's generator: seed + this, never the training stream
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -286,7 +289,7 @@ def train_induction_model(
             records = history["records"]
             state.solved = bool(records) and records[-1]["eval_acc"] >= target_accuracy
         if progress:
-            print(f"resumed from {checkpoint} at step {state.step}", flush=True)
+            log.info("resumed from %s at step %d", checkpoint, state.step)
 
     started, start_step = time.perf_counter(), state.step
     while state.step < steps and not state.solved:
@@ -311,13 +314,12 @@ def train_induction_model(
                     {"step": state.step, "kind": "solved", "eval_acc": record["eval_acc"]}
                 )
             if progress:
-                print(
+                log.info(
                     f"step {state.step:6d}  loss {record['loss']:.4f}  acc {record['acc']:.3f}  "
-                    f"eval_acc {record['eval_acc']:.4f}  lr {record['lr']:.1e}  {record['s_per_step']:.3f} s/step",
-                    flush=True,
+                    f"eval_acc {record['eval_acc']:.4f}  lr {record['lr']:.1e}  {record['s_per_step']:.3f} s/step"
                 )
                 for event in history["events"][n_events:]:
-                    print(f"event: {event}", flush=True)
+                    log.info("event: %s", event)
         if checkpoint_every and (state.step % checkpoint_every == 0 or state.step == steps or state.solved):
             _save_checkpoint(out_dir, model, optimizer, generator, state, history, keep_checkpoints)
             _write_history(out_dir, history, state)

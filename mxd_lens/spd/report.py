@@ -263,16 +263,18 @@ def study_report(
 
 
 def plot_ci_by_position(
-    report: dict[str, Any], path: str | Path, title: str = "", max_components: int = 12, dpi: int = 110
-) -> Path:
+    report: dict[str, Any],
+    path: str | Path | None = None,
+    title: str = "",
+    max_components: int = 12,
+    dpi: int = 110,
+) -> Any:
     """Two panels from a ``study_report``: (a) CI-L0 per module and position class, the expected
     circuit's cells outlined; (b) mean CI per alive component (rows, grouped by module; at most
-    ``max_components`` per module, those with the largest class mean) and position class."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    ``max_components`` per module, those with the largest class mean) and position class. Returns
+    the matplotlib Figure (saved to ``path`` when given; the backend is left as it is)."""
     import numpy as np
+    from matplotlib.figure import Figure
     from matplotlib.patches import Rectangle
 
     classes = report["position_classes"]
@@ -290,9 +292,8 @@ def plot_ci_by_position(
         hidden[summary["short"]] = max(0, len(alive) - max_components)
         bounds.append(len(rows))
     height = max(4.0, 0.16 * max(len(rows), 1) + 1.5)
-    fig, (ax_l0, ax_ci) = plt.subplots(
-        1, 2, figsize=(10, height), gridspec_kw={"width_ratios": [1, 1]}, constrained_layout=True
-    )
+    fig = Figure(figsize=(10, height), layout="constrained")
+    ax_l0, ax_ci = fig.subplots(1, 2, gridspec_kw={"width_ratios": [1, 1]})
     vmax = max(1.0, float(np.nanmax(l0)) if l0.size else 1.0)
     image = ax_l0.imshow(l0, cmap="viridis", vmin=0, vmax=vmax, aspect="auto")
     for i in range(l0.shape[0]):
@@ -329,11 +330,10 @@ def plot_ci_by_position(
     )
     if title:
         fig.suptitle(title, fontsize=10)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=dpi)
-    plt.close(fig)
-    return path
+    if path is not None:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, dpi=dpi)
+    return fig
 
 
 def comparison_table(reports: dict[str, dict[str, Any]]) -> str:
