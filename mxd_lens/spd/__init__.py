@@ -14,16 +14,11 @@ from mxd_lens.spd.ci import CI_TYPES, lower_leaky_hard_sigmoid, upper_leaky_hard
 from mxd_lens.spd.components import Components, Decomposition
 from mxd_lens.spd.losses import (
     MaskedRun,
-    ci_masked_recon_loss,
-    faithfulness_loss,
     importance_minimality_loss,
     kl_divergence,
-    layerwise_recon_loss,
     masked_logits,
     reconstruction_losses,
     stochastic_masks,
-    stochastic_recon_loss,
-    subset_recon_loss,
     subset_routing,
 )
 from mxd_lens.spd.sites import Site, decomposable_weights
@@ -38,19 +33,14 @@ __all__ = [
     "SPDTrainer",
     "Site",
     "ci_l0",
-    "ci_masked_recon_loss",
     "decomposable_weights",
     "evaluate",
-    "faithfulness_loss",
     "importance_minimality_loss",
     "kl_divergence",
-    "layerwise_recon_loss",
     "lower_leaky_hard_sigmoid",
     "masked_logits",
     "reconstruction_losses",
     "stochastic_masks",
-    "stochastic_recon_loss",
-    "subset_recon_loss",
     "subset_routing",
     "upper_leaky_hard_sigmoid",
 ]

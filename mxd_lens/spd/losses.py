@@ -51,10 +51,6 @@ def kl_divergence(target_logits: torch.Tensor, logits: torch.Tensor, positions: 
     return (target.exp() * (target - F.log_softmax(logits.float(), dim=-1))).sum(-1).mean()
 
 
-def faithfulness_loss(decomposition: Decomposition) -> torch.Tensor:
-    return decomposition.faithfulness_loss()
-
-
 def importance_minimality_loss(ci: CI, p: float, eps: float = 1e-12) -> torch.Tensor:
     """Σ_l Σ_c mean over positions of (g_upper + ε)^p."""
     return sum(((g_upper + eps) ** p).sum(-1).mean() for _, g_upper in ci.values())
@@ -179,42 +175,6 @@ def masked_logits(
     with decomposition.patched(*fused):
         logits = decomposition.model(tokens.repeat(len(runs), 1))
     return list(logits.split(b))
-
-
-def stochastic_recon_loss(
-    decomposition: Decomposition, tokens: torch.Tensor, target_logits: torch.Tensor, ci: CI, **options
-) -> torch.Tensor:
-    """D with every module replaced by its stochastically masked components."""
-    return reconstruction_losses(decomposition, tokens, target_logits, ci, ["stochastic_recon"], **options)[
-        "stochastic_recon"
-    ]
-
-
-def layerwise_recon_loss(
-    decomposition: Decomposition, tokens: torch.Tensor, target_logits: torch.Tensor, ci: CI, **options
-) -> torch.Tensor:
-    """Mean over modules of D with only that module replaced."""
-    return reconstruction_losses(decomposition, tokens, target_logits, ci, ["layerwise_recon"], **options)[
-        "layerwise_recon"
-    ]
-
-
-def subset_recon_loss(
-    decomposition: Decomposition, tokens: torch.Tensor, target_logits: torch.Tensor, ci: CI, **options
-) -> torch.Tensor:
-    """D with a random k-subset of the modules replaced at each position."""
-    return reconstruction_losses(decomposition, tokens, target_logits, ci, ["subset_recon"], **options)[
-        "subset_recon"
-    ]
-
-
-def ci_masked_recon_loss(
-    decomposition: Decomposition, tokens: torch.Tensor, target_logits: torch.Tensor, ci: CI, **options
-) -> torch.Tensor:
-    """D with masks = g and m_Δ = 1."""
-    return reconstruction_losses(decomposition, tokens, target_logits, ci, ["ci_masked_recon"], **options)[
-        "ci_masked_recon"
-    ]
 
 
 def _only(names: Sequence[str], only: str, like: torch.Tensor) -> dict[str, torch.Tensor]:
