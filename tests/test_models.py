@@ -160,6 +160,20 @@ def test_second_load_reuses_the_converted_folder(loaded, tiny_gguf, monkeypatch)
     assert folder.parent.parent == models.cache_dir()
 
 
+def test_load_model_builds_a_hooked_sae_transformer_on_request(loaded, tiny_gguf):
+    from sae_lens import HookedSAETransformer
+
+    model, _ = loaded
+    folder = models.hf_folder(str(tiny_gguf))
+    assert folder == models._converted_folder(tiny_gguf) and models.hf_folder(str(folder)) == folder
+    hsat = models.load_model(str(folder), cls=HookedSAETransformer)
+    assert type(hsat) is HookedSAETransformer
+    with torch.no_grad():
+        torch.testing.assert_close(hsat(TOKENS), model(TOKENS), rtol=0, atol=0)
+    with pytest.raises(TypeError, match="HookedTransformer or a subclass"):
+        models.load_model(str(folder), cls=dict)
+
+
 def test_folder_load_folds_layer_norm_and_sets_bos(loaded, tiny_gguf):
     model, _ = loaded
     folder = models._converted_folder(tiny_gguf)

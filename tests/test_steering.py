@@ -148,3 +148,41 @@ def test_concept_probe_separates_a_planted_direction():
     assert probe.predict_proba(fresh)[:, 1].mean() > 0.8
     with pytest.raises(ValueError, match="at least 5"):
         steering.concept_probe(positive[:3], negative)
+
+
+@pytest.mark.parametrize("cls", [MxD, TopKTranscoder])
+def test_steer_through_add_sae_equals_a_hand_written_intervention(cls, tokens):
+    """A layer attached the SAELens way (HookedSAETransformer.add_sae, error term on) steers too; the
+    logits equal a hook written out here: at hook_mlp_out, the clean output plus the change that the
+    edited codes make to the layer's output."""
+    from sae_lens import HookedSAETransformer
+
+    hsat = make_model("gated", cls=HookedSAETransformer)
+    extra = {"d_hidden": 8} if cls is MxD else {}
+    layer = randomise(cls.for_model(hsat, 1, d_sae=24, k=4, **extra), 1)
+    feature, alpha = 5, 3.0
+    slot = {}
+
+    def by_hand(out, hook):
+        x = slot["x"]
+        with torch.no_grad():
+            codes = layer.encode(x).clone()
+            plain = dense_output(layer, x, codes)
+            codes[..., feature] += alpha
+            return out + (dense_output(layer, x, codes) - plain)
+
+    handle = hsat.blocks[1].mlp.register_forward_pre_hook(lambda m, args: slot.update(x=args[0]))
+    try:
+        expected = hsat.run_with_hooks(tokens, fwd_hooks=[("blocks.1.hook_mlp_out", by_hand)])
+    finally:
+        handle.remove()
+    hsat.add_sae(layer, use_error_term=True)
+    try:
+        with steering.steer(hsat, layer, feature, alpha):
+            steered = hsat(tokens)
+    finally:
+        hsat.reset_saes()
+    torch.testing.assert_close(steered, expected, atol=1e-5, rtol=1e-4)
+    with pytest.raises(ValueError, match="add_sae"):  # neither spliced nor attached
+        with steering.steer(hsat, layer, feature, alpha):
+            pass

@@ -48,7 +48,8 @@ def steer(
 ) -> Iterator[HookedTransformer]:
     """Edit ``layer``'s codes while ``model`` runs: ``codes[..., f] += alpha`` (add) or ``= alpha``
     (clamp) at every position, for each feature ``f`` (with its own alpha when a sequence is given).
-    ``layer`` must be spliced into ``model`` (``mxd_lens.splice``)."""
+    ``layer`` must be spliced into ``model`` (``mxd_lens.splice``) or attached to a
+    ``HookedSAETransformer`` with ``model.add_sae(layer)`` (``load_model(..., cls=HookedSAETransformer)``)."""
     features = [feature] if isinstance(feature, int) else list(feature)
     alphas = [float(alpha)] * len(features) if isinstance(alpha, (int, float)) else [float(a) for a in alpha]
     if mode not in ("add", "clamp"):
@@ -65,10 +66,12 @@ def steer(
             f"features {bad} out of range: this layer has {layer.cfg.d_sae} (0..{layer.cfg.d_sae - 1})"
         )
     index = hooks.layer_index(layer)
-    if hooks.spliced_layers(model).get(index) is not layer:
+    attached = any(sae is layer for sae in getattr(model, "acts_to_saes", {}).values())  # add_sae
+    if hooks.spliced_layers(model).get(index) is not layer and not attached:
         raise ValueError(
             f"this layer is not spliced into {model.cfg.model_name} (block {index}): steer inside "
-            "`with mxd_lens.splice(model, layer, error_term=True):`"
+            "`with mxd_lens.splice(model, layer, error_term=True):`, or attach it to a "
+            "HookedSAETransformer with model.add_sae(layer, use_error_term=True)"
         )
     cols = torch.tensor(features)
 
