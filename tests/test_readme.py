@@ -1,0 +1,27 @@
+"""The README's Python example runs as written, on a tiny GPT-2-like model standing in for the hub's."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+from conftest import make_text_model
+from transformer_lens import HookedTransformer
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def test_the_readme_example_runs_as_written(tmp_path, monkeypatch):
+    (block,) = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+    model, _ = make_text_model(tmp_path, kind="gpt2")
+    monkeypatch.setattr(HookedTransformer, "from_pretrained", classmethod(lambda cls, name, **kw: model))
+    monkeypatch.chdir(tmp_path)
+    namespace: dict = {}
+    exec(compile(block, str(README), "exec"), namespace)
+    with torch.no_grad():
+        clean = model(namespace["tokens"], return_type="loss")
+        torch.testing.assert_close(namespace["loss"], clean)  # the exact MxD leaves the loss unchanged
+        torch.testing.assert_close(namespace["y"], namespace["mxd"](namespace["x"]))
+        torch.testing.assert_close(namespace["same"](namespace["x"]), namespace["y"])
+    assert type(namespace["same"]) is type(namespace["mxd"]) and (tmp_path / "my-mxd" / "cfg.json").is_file()
