@@ -213,7 +213,7 @@ def _train(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
     from mxd_lens.activations import CachedActivations
-    from mxd_lens.training import LearnerSpec, TrainConfig, Trainer
+    from mxd_lens.training import LearnerSpec, Trainer
 
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
         dist.init_process_group("nccl" if args.device.startswith("cuda") else "gloo")
@@ -237,28 +237,7 @@ def _train(args: argparse.Namespace) -> int:
         for k in args.k
         for m in args.width_multiplier
     ]
-    given = {
-        "total_tokens": args.tokens,
-        "epochs": args.epochs,
-        "batch_tokens": args.batch_tokens,
-        "lr": args.lr,
-        "warmup_steps": args.warmup,
-        "lr_schedule": args.lr_schedule,
-        "objective": args.objective,
-        "normalize": args.normalize,
-        "aux_coefficient": args.aux_coefficient,
-        "k_aux": args.k_aux,
-        "init_b_dec": args.init_b_dec,
-        "seed": args.seed,
-        "dead_window_tokens": args.dead_window,
-        "log_every": args.log_every,
-        "checkpoint_every": args.checkpoint_every,
-        "wandb_project": args.wandb,
-    }
-    try:
-        config = TrainConfig(**{key: value for key, value in given.items() if value is not None})
-    except ValueError as err:
-        raise SystemExit(f"mxd-lens train: {err}") from err
+    config = args.config
     trainer = Trainer(
         specs,
         source,
@@ -288,45 +267,63 @@ def _add_stream_options(parser: argparse.ArgumentParser) -> None:
         "--text",
         help="text: a .txt/.jsonl file (also .xz/.gz), a folder of them, or a Hugging Face dataset name",
     )
+    parser.add_argument("--context-size", type=int, default=128, help="tokens per row, BOS included")
     parser.add_argument(
-        "--context-size", type=int, default=128, help="tokens per row, BOS included (default 128)"
+        "--rows-per-block", type=int, default=256, help="rows per shuffled block / cache shard"
     )
-    parser.add_argument(
-        "--rows-per-block", type=int, default=256, help="rows per shuffled block / cache shard (default 256)"
-    )
-    parser.add_argument("--forward-rows", type=int, default=16, help="rows per model forward (default 16)")
-    parser.add_argument(
-        "--eval-fraction", type=float, default=0.02, help="documents held out for evaluation (default 0.02)"
-    )
-    parser.add_argument(
-        "--split-seed", type=int, default=0, help="seed of the train/eval document split (default 0)"
-    )
+    parser.add_argument("--forward-rows", type=int, default=16, help="rows per model forward")
+    parser.add_argument("--eval-fraction", type=float, default=0.02, help="documents held out for evaluation")
+    parser.add_argument("--split-seed", type=int, default=0, help="seed of the train/eval document split")
 
 
-def _default(name: str) -> Any:
-    """A TrainConfig field's default: the CLI states it once, where the dataclass does."""
-    from mxd_lens.training import TrainConfig
+def _subparser_class() -> type:
+    import simple_parsing
 
-    return TrainConfig.__dataclass_fields__[name].default
+    class Subparser(simple_parsing.ArgumentParser):
+        """A subcommand's parser: options from config dataclasses (``add_arguments``) as --dash-names,
+        plain argparse help unless it says otherwise."""
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            kwargs.setdefault("add_option_string_dash_variants", simple_parsing.DashVariant.DASH)
+            kwargs.setdefault("add_config_path_arg", False)
+            kwargs.setdefault("formatter_class", _DefaultsFormatter)
+            super().__init__(*args, **kwargs)
+
+    return Subparser
+
+
+class _DefaultsFormatter(argparse.HelpFormatter):
+    """Appends an option's default to its help (so no help string restates it), unless it is
+    None or False (then the help says what happens)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "%(default)" not in text and action.default not in (None, False, argparse.SUPPRESS):
+            text += " (default: %(default)s)"
+        return text
 
 
 def build_parser() -> argparse.ArgumentParser:
+    import simple_parsing
+
     import mxd_lens  # the architecture table, with any registered before the parser is built
 
     parser = argparse.ArgumentParser(
         prog="mxd-lens", description="Sparse MLP replacements for TransformerLens models."
     )
-    sub = parser.add_subparsers(dest="command", required=True)
+    # Subcommands are simple_parsing parsers, so a config dataclass becomes options (field docstrings as help).
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_subparser_class())
+    as_dataclass = dict(formatter_class=simple_parsing.SimpleHelpFormatter)  # shows every default
     check = sub.add_parser(
         "check",
         help="run every layer type end to end (build, save, load, splice) on small random models",
         description=_check.__doc__,
     )
-    check.add_argument("--k", type=int, default=8, help="active experts / latents per token (default 8)")
+    check.add_argument("--k", type=int, default=8, help="active experts / latents per token")
     check.add_argument(
-        "--m", type=int, default=8, help="transcoder width multiplier; MxD is parameter-matched (default 8)"
+        "--m", type=int, default=8, help="transcoder width multiplier; MxD is parameter-matched"
     )
-    check.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    check.add_argument("--seed", type=int, default=0, help="random seed")
     check.set_defaults(func=_check)
 
     demo = sub.add_parser(
@@ -335,24 +332,22 @@ def build_parser() -> argparse.ArgumentParser:
         description=_demo.__doc__,
     )
     demo.add_argument("--quick", action="store_true", help="a smoke run of about a minute (few tokens)")
-    demo.add_argument(
-        "--model", default="smollm2-135m", help="model name or path (default: the offline SmolLM2-135M)"
-    )
+    demo.add_argument("--model", default="smollm2-135m", help="model name or path")
     demo.add_argument("--text", help="text source (default: the bundled English text)")
-    demo.add_argument("--layer", type=int, default=15, help="block whose MLP to replace (default 15)")
-    demo.add_argument("--k", type=int, default=32, help="active experts / latents per token (default 32)")
+    demo.add_argument("--layer", type=int, default=15, help="block whose MLP to replace")
+    demo.add_argument("--k", type=int, default=32, help="active experts / latents per token")
     demo.add_argument(
         "--width-multiplier",
         type=int,
         default=8,
-        help="transcoder width m x d_model; MxD matched (default 8)",
+        help="transcoder width m x d_model; MxD matched",
     )
     demo.add_argument(
         "--train-tokens", type=int, help="training tokens (default 262,144; 8,192 with --quick)"
     )
-    demo.add_argument("--epochs", type=float, default=2.0, help="passes over the training tokens (default 2)")
+    demo.add_argument("--epochs", type=float, default=2.0, help="passes over the training tokens")
     demo.add_argument("--eval-tokens", type=int, help="held-out tokens (default 12,800; 1,024 with --quick)")
-    demo.add_argument("--context-size", type=int, default=128, help="tokens per row (default 128)")
+    demo.add_argument("--context-size", type=int, default=128, help="tokens per row")
     demo.add_argument(
         "--batch-tokens", type=int, help="tokens per training step (default 512; 256 with --quick)"
     )
@@ -386,7 +381,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--dtype",
         default="float32",
         choices=["float32", "bfloat16", "float16"],
-        help="storage dtype (default float32)",
+        help="storage dtype",
     )
     cache.add_argument("--out", required=True, help="cache folder")
     cache.set_defaults(func=_cache)
@@ -395,33 +390,35 @@ def build_parser() -> argparse.ArgumentParser:
         "train",
         help="train MxD / transcoders / skip transcoders from one activation stream",
         description="Train every combination of --arch x --k x --m x --layers from one stream (a cache, or the model live). "
-        "Checkpoints go to OUT/checkpoints, final SAELens-format weights to OUT/final/NAME. Runs under torchrun too.",
+        "Checkpoints go to OUT/checkpoints, final SAELens-format weights to OUT/final/NAME. Runs under torchrun too. "
+        "The training options are the fields of mxd_lens.training.TrainConfig; give --tokens or --epochs.",
+        **as_dataclass,
     )
     _add_stream_options(train)
     train.add_argument("--cache", help="activation cache folder from `mxd-lens cache` (no model needed)")
-    train.add_argument("--layers", type=int, nargs="+", help="layers to train (default: all the cache holds)")
+    train.add_argument(
+        "--layers", type=int, nargs="+", help="layers to train (all the cache holds when not given)"
+    )
     train.add_argument(
         "--shuffle",
         choices=["global", "block"],
         default="global",
-        help="with --cache: permute all of it every epoch (default), or read it block by block as a live stream",
+        help="with --cache: permute all of it every epoch (global), or read it block by block as a live stream",
     )
     train.add_argument(
         "--arch",
         nargs="+",
         default=["mxd", "transcoder"],
         choices=list(mxd_lens.ARCHITECTURES),
-        help="architectures (default: mxd transcoder)",
+        help="architectures (keys of mxd_lens.ARCHITECTURES)",
     )
-    train.add_argument(
-        "--k", type=int, nargs="+", default=[32], help="active units per token, one or more (default 32)"
-    )
+    train.add_argument("--k", type=int, nargs="+", default=[32], help="active units per token, one or more")
     train.add_argument(
         "--width-multiplier",
         type=int,
         nargs="+",
         default=[8],
-        help="transcoder width multiplier(s) m: width m x d_model; MxD gets the matching experts (default 8)",
+        help="transcoder width multiplier(s) m: width m x d_model; MxD gets the matching experts",
     )
     train.add_argument(
         "--init",
@@ -429,63 +426,11 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["default", "mlp"],
         help="'mlp': MxD's E and D start as the host MLP's",
     )
-    train.add_argument(
-        "--init-b-dec", choices=["zero", "target_mean"], help="output bias init (default zero)"
-    )
-    budget = train.add_mutually_exclusive_group(required=True)
-    budget.add_argument(
-        "--tokens", type=int, help="training tokens (more than a cache holds: several epochs)"
-    )
-    budget.add_argument("--epochs", type=float, help="passes over the activation cache (--cache only)")
-    train.add_argument(
-        "--batch-tokens",
-        type=int,
-        help=f"tokens per step, across all ranks (default {_default('batch_tokens')})",
-    )
-    train.add_argument("--lr", type=float, help=f"Adam learning rate (default {_default('lr')})")
-    train.add_argument(
-        "--warmup",
-        type=int,
-        help=f"linear warmup steps (default {_default('warmup_fraction'):.0%} of the steps)",
-    )
-    train.add_argument(
-        "--lr-schedule",
-        choices=["constant", "linear", "cosine"],
-        help=f"after warmup: constant, or decay over the last {_default('decay_fraction'):.0%} of the run "
-        f"(default {_default('lr_schedule')})",
-    )
-    train.add_argument(
-        "--objective", choices=["nmse", "paper"], help=f"training loss (default {_default('objective')})"
-    )
-    train.add_argument(
-        "--normalize",
-        choices=["none", "input", "input_output"],
-        help="scale activations to E||x||^2 = d (folded into the saved weights; default "
-        f"{_default('normalize')})",
-    )
-    train.add_argument(
-        "--aux-coefficient",
-        type=float,
-        help=f"AuxK loss weight for dead units, 0 = off (default {_default('aux_coefficient'):.4g})",
-    )
-    train.add_argument("--k-aux", type=int, help="dead units in the AuxK loss (default d_model / 2)")
-    train.add_argument("--seed", type=int, help="seed of initialisation and shuffling (default 0)")
-    train.add_argument(
-        "--dead-window",
-        type=int,
-        help="tokens without firing that make a unit dead (default: the run's tokens / 8, at most 1M)",
-    )
-    train.add_argument(
-        "--log-every", type=int, help=f"steps between metric logs (default {_default('log_every')})"
-    )
-    train.add_argument(
-        "--checkpoint-every",
-        type=int,
-        help=f"steps between checkpoints, 0 = none (default {_default('checkpoint_every')})",
-    )
+    from mxd_lens.training import TrainConfig
+
+    train.add_arguments(TrainConfig, dest="config")
     train.add_argument("--resume", action="store_true", help="continue from OUT/checkpoints/latest")
-    train.add_argument("--device", default="cpu", help="device for the learners (default cpu)")
-    train.add_argument("--wandb", metavar="PROJECT", help="log to this Weights & Biases project")
+    train.add_argument("--device", default="cpu", help="device for the learners")
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
     train.add_argument("--out", required=True, help="output folder")
     train.set_defaults(func=_train)
@@ -494,7 +439,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except ValueError as err:  # a config dataclass refused its fields (e.g. neither --tokens nor --epochs)
+        command = next((a for a in (sys.argv[1:] if argv is None else argv) if not a.startswith("-")), "")
+        raise SystemExit(f"mxd-lens {command}: {err}") from err
     return args.func(args)
 
 

@@ -108,28 +108,50 @@ class TrainConfig:
     the recipe measured in docs/training.md (the paper's GPT-2 setting, for reference: lr 1e-4 to 4e-4,
     5,000 warmup steps, 4,096 tokens a step, 480M tokens, no normalisation, no AuxK)."""
 
-    total_tokens: int | None = None
+    total_tokens: int | None = field(default=None, metadata={"alias": ["--tokens"]})
+    """training tokens (more than a cache holds: several epochs); give this or epochs"""
     epochs: float | None = None
+    """passes over the activation cache (a cache only); give this or total_tokens"""
     batch_tokens: int = 512
+    """tokens per step, across all data-parallel ranks"""
     lr: float = 2e-3
-    warmup_steps: int | None = None  # None: warmup_fraction of the steps
+    """Adam learning rate"""
+    warmup_steps: int | None = field(default=None, metadata={"alias": ["--warmup"]})
+    """linear warmup steps (default: warmup_fraction of the steps)"""
     warmup_fraction: float = 0.05
+    """warmup as a fraction of the steps, when warmup_steps is not given"""
     lr_schedule: Literal["constant", "linear", "cosine"] = "linear"
-    decay_fraction: float = 0.2  # the last part of the run over which the rate decays
-    lr_floor: float = 0.1  # the rate at the end of the decay, as a fraction of lr
+    """after warmup: constant, or a linear/cosine decay over the last decay_fraction of the run"""
+    decay_fraction: float = 0.2
+    """the last part of the run over which the rate decays"""
+    lr_floor: float = 0.1
+    """the rate at the end of the decay, as a fraction of lr"""
     betas: tuple[float, float] = (0.9, 0.999)
+    """Adam's betas"""
     objective: Literal["nmse", "paper"] = "nmse"
+    """training loss: sum of squared errors over the batch's target variance, or the reference code's"""
     normalize: Literal["none", "input", "input_output"] = "input_output"
-    norm_tokens: int = 65_536  # tokens at the start of the stream that estimate the scales
+    """scale activations to E||x||^2 = d_in (and E||y||^2 = d_out); folded into the saved weights"""
+    norm_tokens: int = 65_536
+    """tokens at the start of the stream that estimate the normalisation scales"""
     aux_coefficient: float = 1 / 32
-    k_aux: int | None = None  # None: d_out // 2 (Gao et al. 2024)
-    dead_window_tokens: int | None = None  # None: total tokens / 8, at most 1M
+    """AuxK loss weight for dead units (0: off)"""
+    k_aux: int | None = None
+    """dead units in the AuxK loss (default: d_out / 2, Gao et al. 2024)"""
+    dead_window_tokens: int | None = field(default=None, metadata={"alias": ["--dead-window"]})
+    """tokens without firing that make a unit dead (default: the run's tokens / 8, at most 1M)"""
     init_b_dec: Literal["zero", "target_mean"] = "zero"
+    """output bias at initialisation"""
     seed: int = 0
+    """seed of initialisation and shuffling"""
     log_every: int = 25
-    checkpoint_every: int = 500  # steps; 0: only the final weights
+    """steps between metric logs"""
+    checkpoint_every: int = 500
+    """steps between checkpoints (0: only the final weights)"""
     keep_checkpoints: int = 2
-    wandb_project: str | None = None
+    """checkpoints kept (older ones are deleted)"""
+    wandb_project: str | None = field(default=None, metadata={"alias": ["--wandb"]})
+    """log to this Weights & Biases project"""
 
     def __post_init__(self) -> None:
         if (self.total_tokens is None) == (self.epochs is None):

@@ -66,9 +66,26 @@ def test_cache_then_train_from_it_equals_training_live(tmp_path, text_model, cap
 
 def test_train_without_a_source_is_refused(tmp_path):
     with pytest.raises(SystemExit, match="give --cache DIR, or --model and --text"):
-        main(["train", "--tokens", "64", "--out", str(tmp_path)])
+        main(["train", "--tokens", "1024", "--out", str(tmp_path)])
     with pytest.raises(FileNotFoundError, match="not an activation cache"):
-        main(["train", "--cache", str(tmp_path / "none"), "--tokens", "64", "--out", str(tmp_path)])
+        main(["train", "--cache", str(tmp_path / "none"), "--tokens", "1024", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit, match="mxd-lens train: give exactly one of total_tokens"):
+        main(["train", "--cache", str(tmp_path / "none"), "--out", str(tmp_path)])  # no budget
+
+
+def test_train_options_are_the_train_config_fields(capsys):
+    """Every TrainConfig field is an option of `mxd-lens train`, with its docstring as help."""
+    import dataclasses
+
+    from mxd_lens.training import TrainConfig
+
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for f in dataclasses.fields(TrainConfig):
+        assert f"--{f.name.replace('_', '-')}" in text, f.name
+    assert "training tokens (more than a cache holds: several epochs)" in text
+    assert "AuxK loss weight for dead units (0: off) (default: 0.03125)" in text
 
 
 def test_help_explains_every_option():
