@@ -7,23 +7,14 @@ TransformerLens models, in SAELens's format.
         loss = model(tokens, return_type="loss")
 """
 
+from mxd_lens import layers as _layers
 from mxd_lens import logs  # noqa: F401 (the mxd_lens logger's default handler)
 from mxd_lens.hooks import capture_mlp_io, layer_metadata, splice
-from mxd_lens.layers import (
-    ARCHITECTURES,
-    MxD,
-    MxDConfig,
-    TopKSkipTranscoder,
-    TopKSkipTranscoderConfig,
-    TopKTranscoder,
-    TopKTranscoderConfig,
-    register,
-    register_architecture,
-)
+from mxd_lens.layers import *  # noqa: F403 (the layer classes and configs, the architecture table)
 from mxd_lens.layers.io import load_layer
 from mxd_lens.matching import match_experts
 
-register()
+register()  # noqa: F405
 
 __version__ = "0.1.0"
 
@@ -35,18 +26,10 @@ def __getattr__(name: str):
 
 
 __all__ = [
-    "ARCHITECTURES",
-    "MxD",
-    "MxDConfig",
-    "TopKSkipTranscoder",
-    "TopKSkipTranscoderConfig",
-    "TopKTranscoder",
-    "TopKTranscoderConfig",
+    *_layers.__all__,
     "capture_mlp_io",
     "layer_metadata",
     "load_layer",
     "match_experts",
-    "register",
-    "register_architecture",
     "splice",
 ]
