@@ -40,6 +40,7 @@ class Script:
     model: str = DEFAULT_MODEL  # model name (TransformerLens) or path, or an offline default
     out: str = "results/frontier"  # output folder
     cache_only: bool = False  # write (or check) the activation cache, then stop
+    progress: bool = True  # progress bars; off: text log lines (for logs of background runs)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -54,10 +55,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     model = load_model(args.script.model)
     if args.script.cache_only:
-        cache, _, n_blocks = write_frontier_cache(model, args.config, args.script.out)
+        cache, _, n_blocks = write_frontier_cache(model, args.config, args.script.out, args.script.progress)
         print(f"cache: {cache} ({n_blocks} blocks)")
         return 0
-    rows = run_frontier(model, args.config, args.script.out)
+    rows = run_frontier(model, args.config, args.script.out, progress=args.script.progress)
     table = pd.DataFrame(rows)[COLUMNS].sort_values(["layer", "k", "method", "seed"])
     print(table.to_markdown(index=False, floatfmt=".4f"))
     print(f"\nresults in {args.script.out}/frontier.json|csv|png")
