@@ -358,7 +358,7 @@ def comparison_table(reports: dict[str, dict[str, Any]]) -> str:
         ),
         "match (of 5)",
     ]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    rows = []
     for variant, rep in reports.items():
         losses = rep["losses"]
         cells = [
@@ -376,8 +376,8 @@ def comparison_table(reports: dict[str, dict[str, Any]]) -> str:
             cells.append(f"{summary['n_alive']} / {summary['l0'][POSITION_CLASSES.index(where)]:.2f}")
         matches = [e["match"] for e in rep["expected"].values() if e["match"] is not None]
         cells.append(f"{sum(matches)}")
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        rows.append(cells)
+    return _markdown(head, rows)
 
 
 def module_table(report: dict[str, Any]) -> str:
@@ -393,7 +393,7 @@ def module_table(report: dict[str, Any]) -> str:
         "n ≥ 0.5 there",
         "acc / KL, only it CI-masked",
     ]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    rows = []
     for name, summary in report["modules"].items():
         expected = report["expected"].get(name)
         alone = report["per_module_ci_masked"][name]
@@ -405,5 +405,14 @@ def module_table(report: dict[str, Any]) -> str:
             str(expected["n_at_expected"]) if expected else "–",
             f"{alone['accuracy']:.3f} / {alone['kl']:.3g}",
         ]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        rows.append(cells)
+    return _markdown(head, rows)
+
+
+def _markdown(head: list[str], rows: list[list[str]]) -> str:
+    """A markdown table of already formatted cells (pandas.DataFrame.to_markdown, left-aligned)."""
+    import pandas as pd
+
+    return pd.DataFrame(rows, columns=head).to_markdown(
+        index=False, tablefmt="pipe", stralign="left", disable_numparse=True
+    )
