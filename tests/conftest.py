@@ -139,3 +139,41 @@ def make_text_model(folder, kind: str = "gated", n_docs: int = 400):
     model = make_model(kind)
     model.set_tokenizer(AutoTokenizer.from_pretrained(folder / "tok"))
     return model, corpus
+
+
+def dense_reference(layer, x: torch.Tensor) -> torch.Tensor:
+    """A layer's output written out from the method's equations, with dense [T, N] codes, torch.topk
+    and plain autograd, sharing no code with the layers (the test oracle):
+
+        codes = TopK_K(ReLU(x W_enc + b_enc))                 (the K largest pre-activations, ReLU'd)
+        TopK transcoder   codes W_dec + b_dec   (+ x W_skip for the skip transcoder)
+        MxD               (z D) * (codes C) + b,  z = phi(x E + b_E) or psi(x E_g + b_g) * (x E + b_E)
+    """
+    import torch.nn.functional as F
+
+    from mxd_lens.layers import MxD, TopKSkipTranscoder, TopKTranscoder
+
+    lead = x.shape[:-1]
+    x = x.reshape(-1, x.shape[-1]).to(layer.W_enc.dtype)
+    pre = x @ layer.W_enc + layer.b_enc
+    top = pre.topk(layer.cfg.k, dim=-1)
+    codes = torch.zeros_like(pre).scatter(-1, top.indices, torch.relu(top.values))
+    mixture = codes @ layer.W_dec
+    if isinstance(layer, MxD):
+        phi = {
+            "relu": torch.relu,
+            "gelu": F.gelu,
+            "silu": F.silu,
+            "gelu_new": lambda t: F.gelu(t, approximate="tanh"),
+            "gelu_pytorch_tanh": lambda t: F.gelu(t, approximate="tanh"),
+        }[layer.cfg.activation]
+        up = x @ layer.W_in + layer.b_in
+        z = phi(x @ layer.W_in_gate + layer.b_in_gate) * up if layer.cfg.hidden_form == "glu" else phi(up)
+        out = (z @ layer.W_out) * mixture + layer.b_dec
+    elif isinstance(layer, TopKSkipTranscoder):
+        out = mixture + layer.b_dec + x @ layer.W_skip
+    elif isinstance(layer, TopKTranscoder):
+        out = mixture + layer.b_dec
+    else:
+        raise TypeError(f"no reference for {type(layer).__name__}")
+    return out.reshape(*lead, out.shape[-1])
