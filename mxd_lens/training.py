@@ -30,6 +30,7 @@ everything, so a killed run ends bit-identical to an unbroken one.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
 import json
 import logging
@@ -54,7 +55,7 @@ from mxd_lens.checkpoints import (  # noqa: F401 (CheckpointError, RunLocked re-
     save_checkpoint_dir,
 )
 from mxd_lens.firing import FiringTracker
-from mxd_lens.layers import MLPReplacement, MxD, get_architecture
+from mxd_lens.layers import MLPReplacement, MxD, architecture_key, get_architecture
 
 NORMALIZATIONS = ("none", "input", "input_output")
 SCHEDULES = ("constant", "linear", "cosine")
@@ -74,13 +75,16 @@ class TrainingDiverged(FloatingPointError):
 @dataclass
 class LearnerSpec:
     """One layer to train. ``width_multiplier`` m sets the transcoder width H = m * d_in; an MxD gets
-    the experts that match that transcoder's parameters (``match_experts``)."""
+    the experts that match that transcoder's parameters (``match_experts``). ``d_sae`` instead sets
+    the number of units (experts / latents) directly."""
 
     arch: str  # a key of mxd_lens.ARCHITECTURES (the built-in ones, or one registered)
     layer: int
     k: int
     width_multiplier: int = 8
-    init: Literal["default", "mlp"] = "default"  # "mlp": MxD's E, b_E, D copied from the host MLP
+    init: Literal["default", "mlp", "given"] = "default"  # "mlp": MxD's E, b_E, D from the host MLP;
+    # "given": a layer built by the caller (Trainer takes the layer itself in place of a spec)
+    d_sae: int | None = None
     normalize_decoder: bool | None = (
         None  # None: the architecture's unit_norm_decoder (off for the skip transcoder)
     )
@@ -93,7 +97,16 @@ class LearnerSpec:
     @property
     def name(self) -> str:
         init = "" if self.init == "default" else f".init-{self.init}"
-        return f"L{self.layer}.{self.arch}.k{self.k}.m{self.width_multiplier}{init}"
+        size = f"n{self.d_sae}" if self.d_sae is not None else f"m{self.width_multiplier}"
+        return f"L{self.layer}.{self.arch}.k{self.k}.{size}{init}"
+
+    @classmethod
+    def of(cls, layer: MLPReplacement) -> LearnerSpec:
+        """The spec of a layer built elsewhere (``init="given"``)."""
+        from mxd_lens import hooks
+
+        key = architecture_key(layer)
+        return cls(key, hooks.layer_index(layer), layer.cfg.k, init="given", d_sae=layer.cfg.d_sae)
 
     @property
     def normalizes_decoder(self) -> bool:
@@ -253,7 +266,10 @@ def build_layer(
     )
     torch.manual_seed(seed)
     layer_cls = get_architecture(spec.arch)
-    return layer_cls(layer_cls.config_for_stream(info, width, **common))
+    cfg = layer_cls.config_for_stream(info, width, **common)
+    if spec.d_sae is not None:
+        cfg = dataclasses.replace(cfg, d_sae=spec.d_sae)
+    return layer_cls(cfg)
 
 
 @dataclass
@@ -268,7 +284,10 @@ class _Learner:
 class Trainer:
     """Trains ``specs`` on ``source`` and writes checkpoints and final weights under ``out_dir``.
 
-    ``model`` is only needed for ``init="mlp"``. Under ``torchrun`` each rank takes its slice of
+    Each entry of ``specs`` is a ``LearnerSpec`` (the trainer builds the layer) or a layer built by
+    the caller (e.g. ``MxD.from_mlp(model, 6, n_experts=1024, k=32)``, or a chosen N), trained in
+    place; ``trained_layers()`` gives every learner at raw scale. Without ``out_dir`` nothing is
+    written (no checkpoints, no final folder, no resume). ``model`` is only needed for ``init="mlp"``. Under ``torchrun`` each rank takes its slice of
     every global batch and gradients are averaged, so N ranks compute the single-process step on the
     same global batch; rank 0 logs and writes. ``progress=False`` prints the metrics as text lines
     every ``log_every`` steps instead of a progress bar.
@@ -276,19 +295,22 @@ class Trainer:
 
     def __init__(
         self,
-        specs: Sequence[LearnerSpec],
+        specs: Sequence[LearnerSpec | MLPReplacement],
         source: ModelActivations | CachedActivations,
         config: TrainConfig,
-        out_dir: str | Path,
+        out_dir: str | Path | None = None,
         model: Any = None,
         progress: bool = True,
         device: str = "cpu",
         data_info: dict[str, Any] | None = None,
     ):
+        given = {i: item for i, item in enumerate(specs) if isinstance(item, MLPReplacement)}
+        specs = [LearnerSpec.of(item) if i in given else item for i, item in enumerate(specs)]
         names = [spec.name for spec in specs]
         if not specs or len(set(names)) != len(names):
             raise ValueError(f"need one or more learners with distinct names, got {names}")
-        self.source, self.config, self.out_dir = source, config, Path(out_dir)
+        self.source, self.config = source, config
+        self.out_dir = Path(out_dir) if out_dir is not None else None
         self.progress, self.device = progress, torch.device(device)
         self.data_info = (
             data_info  # e.g. {"text", "split", "eval_fraction", "split_seed"}: kept with the weights
@@ -304,7 +326,16 @@ class Trainer:
         self.k_aux = config.k_aux if config.k_aux is not None else max(1, source.info.d_out // 2)
         self.learners: dict[str, _Learner] = {}
         for i, spec in enumerate(specs):
-            layer = build_layer(spec, source.info, seed=config.seed * 7919 + i, device=device)
+            if spec.init == "given" and i not in given:
+                raise ValueError(
+                    f"{spec.name}: init='given' means a layer built by the caller; pass the layer itself"
+                )
+            if i in given:
+                layer = given[i]
+                _check_given(layer, spec, source.info)
+                layer.to(device)
+            else:
+                layer = build_layer(spec, source.info, seed=config.seed * 7919 + i, device=device)
             if config.aux_coefficient > 0 and self.k_aux > layer.cfg.d_sae - spec.k:
                 raise ValueError(
                     f"{spec.name}: k_aux={self.k_aux} exceeds the {layer.cfg.d_sae - spec.k} units outside "
@@ -356,7 +387,9 @@ class Trainer:
     def fit(self, resume: bool = False) -> dict[str, dict[str, float]]:
         """Train to the token budget; with ``resume`` continue from the latest intact checkpoint in
         out_dir. The run folder is locked while training: a second trainer on it gets ``RunLocked``."""
-        lock = RunLock(self.out_dir, "trainer") if self.rank == 0 else None
+        if resume and self.out_dir is None:
+            raise ValueError("resume needs the out_dir the run checkpointed to")
+        lock = RunLock(self.out_dir, "trainer") if self.rank == 0 and self.out_dir is not None else None
         if lock is not None:
             lock.acquire()
         try:
@@ -398,7 +431,7 @@ class Trainer:
                 if self.step % cfg.log_every == 0 or self.step == self.total_steps:
                     self._log(last, bar, wandb_run)
                 bar.update(1)
-                if cfg.checkpoint_every and (
+                if (cfg.checkpoint_every and self.out_dir is not None) and (
                     self.step % cfg.checkpoint_every == 0 or self.step == self.total_steps
                 ):
                     self.save_checkpoint()
@@ -406,7 +439,7 @@ class Trainer:
                     break
         bar.close()
         if self.step < self.total_steps:
-            saved = self.save_checkpoint() if cfg.checkpoint_every else None
+            saved = self.save_checkpoint() if cfg.checkpoint_every and self.out_dir is not None else None
             raise ValueError(
                 f"the activation stream ran out after {self.step} of {self.total_steps} steps "
                 f"({self.tokens_seen:,} tokens; {'checkpoint ' + str(saved) if saved else 'no checkpoint'}): "
@@ -416,7 +449,8 @@ class Trainer:
             wandb_run.finish()
         if not last:  # resumed a finished run: report its last logged metrics
             last = {name: _metrics_only(lr.history[-1]) for name, lr in self.learners.items() if lr.history}
-        self.save_final(last)
+        if self.out_dir is not None:
+            self.save_final(last)
         return last
 
     def _estimate_scales(self, stream):
@@ -444,6 +478,8 @@ class Trainer:
             self.loss_scale[layer] = float(((y - y.mean(0)) * s_out).pow(2).sum(-1).mean())
         with torch.no_grad():
             for learner in self.learners.values():
+                if learner.spec.init == "given":  # built at raw scale: the same map on scaled activations
+                    learner.layer.fold_activation_scales(*(1 / s for s in self.scales[learner.spec.layer]))
                 if learner.spec.init == "mlp":  # the host MLP reads raw x: on scaled x, E / s_in, D * s_out
                     s_in, s_out = self.scales[learner.spec.layer]
                     learner.layer.W_in.div_(s_in)
@@ -738,6 +774,21 @@ class Trainer:
             json.dumps({name: learner.history for name, learner in self.learners.items()}, indent=1)
         )
         return paths
+
+
+def _check_given(layer: MLPReplacement, spec: LearnerSpec, info: StreamInfo) -> None:
+    """A caller's layer must fit the stream: its block, widths and model."""
+    if spec.layer not in info.layers:
+        raise ValueError(f"{spec.name}: the stream holds layers {info.layers}, not {spec.layer}")
+    if (layer.cfg.d_in, layer.cfg.d_out) != (info.d_in, info.d_out):
+        raise ValueError(
+            f"{spec.name}: the layer maps {layer.cfg.d_in} -> {layer.cfg.d_out}, the stream {info.d_in} -> {info.d_out}"
+        )
+    model_name = layer.cfg.metadata.model_name
+    if model_name and model_name != info.model_name:
+        raise ValueError(
+            f"{spec.name}: the layer was built for {model_name!r}, the stream is {info.model_name!r}"
+        )
 
 
 def _chain(head, stream):

@@ -343,3 +343,32 @@ def test_bad_recipe_settings_are_refused(tmp_path):
             cfg(epochs=11, batch_tokens=16),
             tmp_path / "r",
         )
+
+
+def test_a_layer_built_by_the_caller_trains_in_place_without_an_out_dir(tmp_path, monkeypatch):
+    """MxD.from_mlp (the host MLP itself, at raw scale) handed to the trainer: moved into the scaled
+    space exactly (its first-batch FVU is ~0), trained in place, back at raw scale from
+    trained_layers(); with no out_dir nothing is written. A spec with d_sae gets exactly that many units."""
+    monkeypatch.chdir(tmp_path)
+    model = make_model("gated")
+    source = ModelActivations(model, [1], random_rows(), context_size=12, rows_per_block=16)
+    exact = mxd_lens.MxD.from_mlp(model, 1, n_experts=16, k=1)
+    x, y = next(source.blocks())[1]
+    config = cfg(lr=1e-12, warmup_steps=1, total_tokens=2 * 64, log_every=1)
+    trainer = Trainer([exact, LearnerSpec("transcoder", 1, k=4, d_sae=40)], source, config, progress=False)
+    metrics = trainer.fit()
+    assert list(trainer.learners) == ["L1.mxd.k1.n16.init-given", "L1.transcoder.k4.n40"]
+    assert trainer.learners["L1.mxd.k1.n16.init-given"].layer is exact  # trained in place
+    assert metrics["L1.mxd.k1.n16.init-given"]["fvu"] < 1e-6  # still the MLP, on scaled activations
+    trained = trainer.trained_layers()
+    assert trained["L1.transcoder.k4.n40"].cfg.d_sae == 40
+    with torch.no_grad():
+        torch.testing.assert_close(trained["L1.mxd.k1.n16.init-given"](x), y, rtol=1e-4, atol=1e-5)
+    assert list(tmp_path.iterdir()) == []  # no out_dir: no checkpoints, no final folder
+    with pytest.raises(ValueError, match="resume needs the out_dir"):
+        trainer.fit(resume=True)
+    with pytest.raises(ValueError, match="pass the layer itself"):
+        Trainer([LearnerSpec("mxd", 1, k=4, init="given")], source, config)
+    other = mxd_lens.MxD.from_mlp(make_model("gpt2"), 1, n_experts=16, k=1)
+    with pytest.raises(ValueError, match="built for 'tiny-gpt2'"):
+        Trainer([other], source, config)

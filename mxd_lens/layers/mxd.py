@@ -132,9 +132,10 @@ class MxD(MLPReplacement[MxDConfig]):
 
     @classmethod
     def from_mlp(cls, model: HookedTransformer, layer: int, n_experts: int | None = None, k: int = 1) -> MxD:
-        """An MxD that computes block ``layer``'s MLP exactly: E, D copied, every c_n = 1 and expert
-        0 always on with coefficient 1 (G = 0, b_G = e_0). It shows MxD contains the MLP, and is a
-        warm start for training."""
+        """An MxD that computes block ``layer``'s MLP exactly: E copied, D = sqrt(d_out) W_out and
+        every c_n = 1 / sqrt(d_out) (unit rows, as training keeps them), expert 0 always on with
+        coefficient 1 (G = 0, b_G = e_0). It shows MxD contains the MLP, and is a warm start for
+        training (hand it to ``Trainer`` as it is)."""
         from mxd_lens import hooks
 
         mlp = hooks.dense_mlp(model, layer)
@@ -158,7 +159,8 @@ class MxD(MLPReplacement[MxDConfig]):
             mxd.W_enc.zero_()
             mxd.b_enc.zero_()
             mxd.b_enc[0] = 1.0
-            mxd.W_dec.fill_(1.0)
+            mxd.W_dec.fill_(cfg.d_out**-0.5)
+            mxd.W_out.mul_(cfg.d_out**0.5)
             mlp = hooks.dense_mlp(model, layer)
             # TransformerLens's gated MLP adds b_in after the product: (act(x Wg) * (x Wi) + b_in) W_out.
             # Our b_E sits inside the product, so it stays 0 and b_in W_out is folded into b.
