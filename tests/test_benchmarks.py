@@ -3,6 +3,8 @@
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import layer_speed  # noqa: E402
@@ -72,3 +74,46 @@ def test_mix_texts_interleaves_by_volume_and_keeps_every_document(tmp_path):
     # by volume: about 400 characters of short documents (~50 of them) follow each long one
     first_two_long = [i for i, d in enumerate(mixed) if d.startswith("long")][:2]
     assert 40 <= first_two_long[1] - first_two_long[0] <= 60
+
+
+def test_vs_sparsify_runs_on_a_tiny_model(tmp_path, monkeypatch, capsys):
+    """Only where sparsify is installed (it is not a dependency): the three runs train on the same
+    rows and report tokens/s and held-out FVU."""
+    pytest.importorskip("sparsify")
+    import json
+
+    import vs_sparsify
+    from test_models import write_tiny_gguf
+
+    monkeypatch.setenv("MXD_LENS_CACHE", str(tmp_path / "cache"))
+    gguf = (
+        write_tiny_gguf(tmp_path / "tiny-llama" / "tiny-llama.gguf")
+        if (tmp_path / "tiny-llama").mkdir() is None
+        else None
+    )
+    text = tmp_path / "text.txt"
+    text.write_text(
+        "\n\n".join(f"the cat sat on the mat number {i} and then it ran away" for i in range(300))
+    )
+    vs_sparsify.main(
+        [
+            "--model",
+            str(gguf),
+            "--text",
+            str(text),
+            "--layer",
+            "1",
+            "--k",
+            "4",
+            "--m",
+            "4",
+            "--tokens",
+            "1024",
+        ]
+        + ["--context", "16", "--rows-per-step", "4", "--eval-tokens", "256", "--out", str(tmp_path / "out")]
+    )
+    rows = json.loads((tmp_path / "out" / "results.json").read_text())["rows"]
+    assert [r["run"] for r in rows] == ["sparsify transcoder", "ours: transcoder", "ours: MxD"]
+    assert len({r["train_tokens"] for r in rows}) == 1 and all(0 < r["heldout_fvu"] < 10 for r in rows)
+    assert rows[0]["params"] == rows[1]["params"]  # the same transcoder size
+    assert "time / sparsify" in capsys.readouterr().out
