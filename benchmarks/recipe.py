@@ -45,6 +45,7 @@ import math
 import shlex
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -124,14 +125,26 @@ def run_trainer(name, cache, out, *, archs, k, m, layer, overrides, seed, shuffl
     folder = out / name
     done = folder / "done.json"
     specs = [LearnerSpec(arch, layer, k, m) for arch in archs]
-    if done.is_file():
-        record = json.loads(done.read_text())
-        layers = {s.arch: mxd_lens.load_layer(folder / "final" / s.name) for s in specs}
-        return layers, record["train_fvu"], record["seconds"]
-    source = CachedActivations(cache, layers=[layer], shuffle=shuffle, max_blocks=max_blocks)
     config = TrainConfig(
         seed=seed, checkpoint_every=100, log_every=max(1, overrides.get("log_every", 25)), **overrides
     )
+    if done.is_file():
+        record = json.loads(done.read_text())
+        layers = {s.arch: mxd_lens.load_layer(folder / "final" / s.name) for s in specs}
+        # the run as trained (its saved layers record the whole TrainConfig) must be the run asked for
+        trained = layers[specs[0].arch].cfg.metadata.training["config"]
+        differ = {
+            k: (trained.get(k), v)
+            for k, v in json.loads(json.dumps(asdict(config))).items()
+            if trained.get(k) != v
+        }
+        if differ:
+            raise SystemExit(
+                f"{folder} was trained with other settings than {name!r} asks for now (trained, asked): "
+                f"{differ}; move it away to retrain (a default changed?)"
+            )
+        return layers, record["train_fvu"], record["seconds"]
+    source = CachedActivations(cache, layers=[layer], shuffle=shuffle, max_blocks=max_blocks)
     trainer = Trainer(specs, source, config, folder, progress=False, data_info=source.text_info)
     start = time.perf_counter()
     metrics = trainer.fit(resume=True)
@@ -248,11 +261,18 @@ def compare(args) -> None:
         f"{args.epochs:g} epochs: new recipe": ("trainer", dict(name="long-recipe", overrides=long)),
     }
     for variant in args.variant or []:  # the recipe with some TrainConfig fields changed
-        fields = _fields(variant)
-        runs[f"{args.epochs:g} epochs: recipe {variant}"] = (
-            "trainer",
-            dict(name="long-" + variant.replace(",", "_").replace("=", "-"), overrides={**long, **fields}),
-        )
+        short_run, fields = variant.startswith("131k:"), variant.removeprefix("131k:")
+        slug = fields.replace(",", "_").replace("=", "-")
+        if short_run:
+            runs[f"131k: recipe {fields}"] = (
+                "trainer",
+                dict(name="short-" + slug, overrides={**short, **_fields(fields)}, max_blocks=4),
+            )
+        else:
+            runs[f"{args.epochs:g} epochs: recipe {fields}"] = (
+                "trainer",
+                dict(name="long-" + slug, overrides={**long, **_fields(fields)}),
+            )
     if args.only:
         runs = {key: value for key, value in runs.items() if any(o in key for o in args.only)}
     model = load_model(args.model)
@@ -451,7 +471,8 @@ def main(argv=None) -> None:
     c.add_argument(
         "--variant",
         action="append",
-        help="also train the long recipe with FIELD=VALUE[,FIELD=VALUE] (TrainConfig fields); repeatable",
+        help="also train the long recipe with FIELD=VALUE[,FIELD=VALUE] (TrainConfig fields); "
+        "prefix 131k: for the short setting; repeatable",
     )
     c.add_argument(
         "--dead-tokens",

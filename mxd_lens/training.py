@@ -15,7 +15,7 @@ The recipe (defaults, chosen from the measurements in docs/training.md):
   the raw MLP output.
 - **Epochs over a cache**: ``epochs`` (or ``total_tokens`` beyond one pass) re-reads a cache under a
   fresh global shuffle each epoch; a live stream is read once.
-- **AuxK** (``aux_coefficient`` 1/32, ``k_aux`` d_out / 2): units that have not fired in the last
+- **AuxK** (``aux_coefficient`` 1/2, ``k_aux`` d_out / 2): units that have not fired in the last
   ``dead_window_tokens`` learn to reconstruct the residual error (see ``mxd_lens.firing`` for "dead").
 - **Learning rate**: linear warmup over ``warmup_steps`` (default ``warmup_fraction`` of the run),
   then constant, or with ``lr_schedule`` "linear"/"cosine" a decay over the last ``decay_fraction`` of
@@ -147,8 +147,8 @@ class TrainConfig:
     """scale activations to E||x||^2 = d_in (and E||y||^2 = d_out); folded into the saved weights"""
     norm_tokens: int = 65_536
     """tokens at the start of the stream that estimate the normalisation scales"""
-    aux_coefficient: float = 1 / 32
-    """AuxK loss weight for dead units (0: off)"""
+    aux_coefficient: float = 0.5
+    """AuxK loss weight for dead units (0: off; sparsify's 1/32 left more dead, docs/training.md)"""
     k_aux: int | None = None
     """dead units in the AuxK loss (default: d_out / 2, Gao et al. 2024)"""
     dead_window_tokens: int | None = field(default=None, metadata={"alias": ["--dead-window"]})

@@ -85,7 +85,10 @@ def test_train_options_are_the_train_config_fields(capsys):
     for f in dataclasses.fields(TrainConfig):
         assert f"--{f.name.replace('_', '-')}" in text, f.name
     assert "training tokens (more than a cache holds: several epochs)" in text
-    assert "AuxK loss weight for dead units (0: off) (default: 0.03125)" in text
+    assert (
+        "AuxK loss weight for dead units (0: off; sparsify's 1/32 left more dead, docs/training.md) (default: 0.5)"
+        in text
+    )
 
 
 def test_help_explains_every_option():
