@@ -54,6 +54,7 @@ from mxd_lens.checkpoints import (  # noqa: F401 (CheckpointError, RunLocked re-
     latest_checkpoint,
     save_checkpoint_dir,
 )
+from mxd_lens.fileio import atomic_write_text
 from mxd_lens.firing import FiringTracker
 from mxd_lens.layers import MLPReplacement, MxD, architecture_key, get_architecture
 
@@ -770,8 +771,9 @@ class Trainer:
             layer.save_model(paths[name])
             for stale in paths[name].glob(".*.tmp"):  # left by a run killed while writing (we hold the lock)
                 stale.unlink(missing_ok=True)
-        (self.out_dir / "final" / "metrics.json").write_text(
-            json.dumps({name: learner.history for name, learner in self.learners.items()}, indent=1)
+        atomic_write_text(
+            self.out_dir / "final" / "metrics.json",
+            json.dumps({name: learner.history for name, learner in self.learners.items()}, indent=1),
         )
         return paths
 
