@@ -124,7 +124,7 @@ def demo_table(rows: list[dict[str, Any]]) -> str:
             "dead": table["dead_fraction"].map("{:.0%}".format),
         }
     )
-    return table.to_markdown(index=False, colalign=["left"] + ["right"] * 7)
+    return table.to_markdown(index=False, colalign=["left"] + ["right"] * 7, disable_numparse=True)
 
 
 def demo_verdict(rows: list[dict[str, Any]]) -> str:
