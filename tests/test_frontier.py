@@ -81,7 +81,7 @@ def test_frontier_grid_seeds_and_other_eval_text(tmp_path):
     a = SAE.load_from_disk(by[(1, 0, "MxD")]["weights"])
     b = SAE.load_from_disk(by[(1, 1, "MxD")]["weights"])
     assert "L1.seed1" in by[(1, 1, "MxD")]["weights"] and not torch.equal(a.W_enc, b.W_enc)
-    assert all(r["ce_clean"] == rows[0]["ce_clean"] for r in rows)  # one clean pass for all
+    assert all(r["ce_clean"] == rows[0]["ce_clean"] for r in rows)  # every group on the same held-out batches
     fig = plot_frontier(pd.DataFrame(rows))
     assert len(fig.axes) == 4
 

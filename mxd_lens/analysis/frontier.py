@@ -8,9 +8,10 @@ seeds), ``frontier.json`` (config, command, one record per layer), ``frontier.cs
 seeds, as in the paper).
 
 What is trained is a grid: ``layers`` × ``ks`` × ``archs`` at ``seed``, plus any ``grid`` entries
-``"BLOCK:K,K,...[@SEED,SEED,...]"`` (e.g. ``"25:32"``, ``"15:32@1"``). All learners of one seed train
-together from one stream (one Trainer); all are evaluated in one pass, so the clean forward and the
-ablation baselines are computed once.
+``"BLOCK:K,K,...[@SEED,SEED,...]"`` (e.g. ``"25:32"``, ``"15:32@1"``). The learners of one (block,
+seed) train together from one stream (one Trainer) and are evaluated together as soon as they finish
+(one clean forward and one set of ablation baselines per group, on the same held-out batches for all
+groups), so the first block's results exist before the others are trained.
 """
 
 from __future__ import annotations
