@@ -9,8 +9,8 @@ from pathlib import Path
 
 
 def atomic_write(path: str | Path, write: Callable[[str], None]) -> None:
-    """Have ``write(tmp)`` write a uniquely named temporary file next to ``path``, then rename it onto
-    ``path`` (atomic within one file system).
+    """Have ``write(tmp)`` write a uniquely named temporary file next to ``path``, fsync it, then
+    rename it onto ``path`` (atomic within one file system).
 
     The file gets the mode ``open()`` would give it (0o666 less the umask), not mkstemp's 0600, so
     files shared with others stay readable. On any error the temporary file is removed and the error
@@ -21,6 +21,8 @@ def atomic_write(path: str | Path, write: Callable[[str], None]) -> None:
     os.close(fd)
     try:
         write(tmp)
+        with open(tmp, "rb") as written:  # on disk before the rename makes it visible
+            os.fsync(written.fileno())
         os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, path)
     except BaseException:

@@ -43,34 +43,20 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
-from tqdm.auto import tqdm
 
 from mxd_lens.activations import CachedActivations, ModelActivations, StreamInfo, shuffled_batches
-from mxd_lens.checkpoints import (  # noqa: F401 (CheckpointError, RunLocked re-exported)
-    CheckpointError,
-    RunLock,
-    RunLocked,
-    checkpoint_candidates,
-    latest_checkpoint,
-    save_checkpoint_dir,
-)
+from mxd_lens.checkpoints import CheckpointError, RunLocked  # noqa: F401 (re-exported)
 from mxd_lens.fileio import atomic_write_text
 from mxd_lens.firing import FiringTracker
 from mxd_lens.layers import MLPReplacement, MxD, architecture_key, get_architecture
+from mxd_lens.loop import SCHEDULES, ResumeMismatch, TrainingDiverged, TrainingLoop, scheduled_lr  # noqa: F401
 
 NORMALIZATIONS = ("none", "input", "input_output")
-SCHEDULES = ("constant", "linear", "cosine")
+# Settings that may change between a checkpoint and its resumption without changing what is trained.
+_FREE = ("total_tokens", "epochs", "log_every", "checkpoint_every", "keep_checkpoints", "wandb_project")
 
 
 log = logging.getLogger(__name__)
-
-
-class _Mismatch(ValueError):
-    """A checkpoint that is readable but belongs to another run (learners, settings or data)."""
-
-
-class TrainingDiverged(FloatingPointError):
-    """A loss or activation became NaN/Inf; the message says where the last good checkpoint is."""
 
 
 @dataclass
@@ -228,16 +214,16 @@ class TrainConfig:
 
     def lr_at(self, step: int, total_steps: int) -> float:
         """The rate of step ``step`` (0-based) of ``total_steps``: warmup, constant, optional decay."""
-        warmup = self.warmup_for(total_steps)
-        factor = min(1.0, (step + 1) / warmup) if warmup else 1.0
-        if self.lr_schedule != "constant" and self.decay_fraction > 0:
-            decay_steps = max(1, round(self.decay_fraction * total_steps))
-            begin = total_steps - decay_steps
-            if step >= begin:
-                t = min(1.0, (step - begin + 1) / decay_steps)
-                shape = t if self.lr_schedule == "linear" else (1 - math.cos(math.pi * t)) / 2
-                factor *= 1 - (1 - self.lr_floor) * shape
-        return self.lr * factor
+        decays = self.lr_schedule != "constant" and self.decay_fraction > 0
+        return scheduled_lr(
+            step,
+            total_steps,
+            self.lr,
+            warmup_steps=self.warmup_for(total_steps),
+            schedule=self.lr_schedule if decays else "constant",
+            decay_steps=max(1, round(self.decay_fraction * total_steps)),
+            floor=self.lr_floor,
+        )
 
     def dead_window_for(self, total_tokens: int) -> int:
         if self.dead_window_tokens is not None:
@@ -282,7 +268,7 @@ class _Learner:
     history: list[dict[str, float]] = field(default_factory=list)
 
 
-class Trainer:
+class Trainer(TrainingLoop):
     """Trains ``specs`` on ``source`` and writes checkpoints and final weights under ``out_dir``.
 
     Each entry of ``specs`` is a ``LearnerSpec`` (the trainer builds the layer) or a layer built by
@@ -313,6 +299,8 @@ class Trainer:
         self.source, self.config = source, config
         self.out_dir = Path(out_dir) if out_dir is not None else None
         self.progress, self.device = progress, torch.device(device)
+        self.log_every, self.checkpoint_every = config.log_every, config.checkpoint_every
+        self.keep_checkpoints = config.keep_checkpoints
         self.data_info = (
             data_info  # e.g. {"text", "split", "eval_fraction", "split_seed"}: kept with the weights
         )
@@ -355,9 +343,16 @@ class Trainer:
         self.tokens_seen = 0
         self.scales: dict[int, tuple[float, float]] = {}  # layer -> (input scale, output scale)
         self.loss_scale: dict[int, float] = {}  # layer -> per-token variance of the (scaled) target
+        self._wandb_run: Any = None
 
     def lr_at(self, step: int) -> float:
         return self.config.lr_at(step, self.total_steps)
+
+    def fit(self, resume: bool = False) -> dict[str, dict[str, float]]:
+        """Train to the token budget; with ``resume`` continue from the latest intact checkpoint in
+        out_dir. The run folder is locked while training: a second trainer on it gets ``RunLocked``.
+        Returns each learner's last metrics."""
+        return super().fit(resume)
 
     def _check_budget(self) -> None:
         """Say up front what the token budget means for the stream, before any work is done."""
@@ -384,70 +379,69 @@ class Trainer:
                 stacklevel=3,
             )
 
-    # -- the loop ----------------------------------------------------------------------------------
-    def fit(self, resume: bool = False) -> dict[str, dict[str, float]]:
-        """Train to the token budget; with ``resume`` continue from the latest intact checkpoint in
-        out_dir. The run folder is locked while training: a second trainer on it gets ``RunLocked``."""
-        if resume and self.out_dir is None:
-            raise ValueError("resume needs the out_dir the run checkpointed to")
-        lock = RunLock(self.out_dir, "trainer") if self.rank == 0 and self.out_dir is not None else None
-        if lock is not None:
-            lock.acquire()
-        try:
-            return self._fit(resume)
-        finally:
-            if lock is not None:
-                lock.release()
-
-    def _fit(self, resume: bool) -> dict[str, dict[str, float]]:
-        if resume:
-            self.load_checkpoint()
-        cfg = self.config
-        wandb_run = self._wandb() if self.rank == 0 else None
-        bar = tqdm(
-            total=self.total_steps,
-            initial=self.step,
-            desc="training",
-            unit="step",
-            disable=not self.progress or bool(self.rank),
+    # -- the loop (mxd_lens.loop.TrainingLoop runs it) --------------------------------------------
+    def batch_stream(self):
+        stream = shuffled_batches(
+            self.source, self.config.batch_tokens, self.config.seed, start=self.tokens_seen
         )
-        last: dict[str, dict[str, float]] = {}
-        if self.step < self.total_steps:
-            stream = shuffled_batches(self.source, cfg.batch_tokens, cfg.seed, start=self.tokens_seen)
-            if not self.scales:
-                stream = self._estimate_scales(stream)
-            lo = self.rank * cfg.batch_tokens // self.world
-            hi = (self.rank + 1) * cfg.batch_tokens // self.world
-            for batch in stream:
-                for name, learner in self.learners.items():
-                    x, y = batch[learner.spec.layer]
-                    s_in, s_out = self.scales[learner.spec.layer]
-                    x, y = x[lo:hi].to(self.device), y[lo:hi].to(self.device)
-                    last[name] = self._train_step(learner, x * s_in, y * s_out)
-                self.step += 1
-                self.tokens_seen += cfg.batch_tokens
-                for name, metrics in last.items():
-                    metrics["dead_fraction"] = self.learners[name].firing.dead_fraction(self.dead_window)
-                    metrics["lr"] = self.lr_at(self.step - 1)
-                if self.step % cfg.log_every == 0 or self.step == self.total_steps:
-                    self._log(last, bar, wandb_run)
-                bar.update(1)
-                if (cfg.checkpoint_every and self.out_dir is not None) and (
-                    self.step % cfg.checkpoint_every == 0 or self.step == self.total_steps
-                ):
-                    self.save_checkpoint()
-                if self.step >= self.total_steps:
-                    break
-        bar.close()
-        if self.step < self.total_steps:
-            saved = self.save_checkpoint() if cfg.checkpoint_every and self.out_dir is not None else None
-            raise ValueError(
-                f"the activation stream ran out after {self.step} of {self.total_steps} steps "
-                f"({self.tokens_seen:,} tokens; {'checkpoint ' + str(saved) if saved else 'no checkpoint'}): "
-                "give more text, or cache it (`mxd-lens cache`) and train for several epochs"
+        return stream if self.scales else self._estimate_scales(stream)
+
+    def train_step(self, batch: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> dict[str, dict[str, float]]:
+        """One step of every learner on ``batch`` (block -> (x, y), the global batch; this rank takes
+        its slice)."""
+        lo = self.rank * self.config.batch_tokens // self.world
+        hi = (self.rank + 1) * self.config.batch_tokens // self.world
+        last = {}
+        for name, learner in self.learners.items():
+            x, y = batch[learner.spec.layer]
+            s_in, s_out = self.scales[learner.spec.layer]
+            x, y = x[lo:hi].to(self.device), y[lo:hi].to(self.device)
+            last[name] = self._train_step(learner, x * s_in, y * s_out)
+        self.tokens_seen += self.config.batch_tokens
+        for name, metrics in last.items():
+            metrics["dead_fraction"] = self.learners[name].firing.dead_fraction(self.dead_window)
+            metrics["lr"] = self.lr_at(self.step)
+        return last
+
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        return [learner.optimizer for learner in self.learners.values()]
+
+    def named_parameters(self):
+        for name, learner in self.learners.items():
+            for key, param in learner.layer.named_parameters():
+                yield f"{name}.{key}", param
+
+    def ran_out_hint(self) -> str:
+        return (
+            f"{self.tokens_seen:,} tokens; give more text, or cache it (`mxd-lens cache`) and train for "
+            "several epochs"
+        )
+
+    def record(self, metrics: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
+        for name, values in metrics.items():
+            self.learners[name].history.append({"step": self.step, "tokens": self.tokens_seen, **values})
+        if self.rank == 0 and self.config.wandb_project:
+            if self._wandb_run is None:
+                import wandb
+
+                self._wandb_run = wandb.init(project=self.config.wandb_project, config=asdict(self.config))
+            self._wandb_run.log(
+                {f"{name}/{key}": value for name, m in metrics.items() for key, value in m.items()},
+                step=self.step,
             )
-        if wandb_run is not None:
-            wandb_run.finish()
+        return metrics
+
+    def summary(self, last: dict[str, dict[str, float]]) -> str:
+        return " | ".join(
+            f"{name}: fvu {m['fvu']:.3f} l0 {m['l0']:.0f} dead {m['dead_fraction']:.2f}"
+            + (f" auxk {m['auxk']:.3f}" if "auxk" in m else "")
+            for name, m in last.items()
+        )
+
+    def finish(self, last: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
+        if self._wandb_run is not None:
+            self._wandb_run.finish()
+            self._wandb_run = None
         if not last:  # resumed a finished run: report its last logged metrics
             last = {name: _metrics_only(lr.history[-1]) for name, lr in self.learners.items() if lr.history}
         if self.out_dir is not None:
@@ -507,11 +501,7 @@ class Trainer:
             k_aux=self.k_aux,
             aux_coefficient=cfg.aux_coefficient,
         )
-        if not torch.isfinite(out.loss):
-            raise TrainingDiverged(
-                f"{learner.spec.name}: loss is {out.loss.item()} at step {self.step}; the last good checkpoint is "
-                f"{self.latest_checkpoint() or 'none (no checkpoint written yet)'}; try a lower lr"
-            )
+        self.check_loss(out.loss, f"{learner.spec.name}: loss")
         learner.optimizer.zero_grad(set_to_none=True)
         out.loss.backward()
         if self.world > 1:
@@ -522,8 +512,6 @@ class Trainer:
                 p.grad.div_(self.world)
         if learner.spec.normalizes_decoder:
             _remove_parallel_grad(layer.W_dec)
-        for group in learner.optimizer.param_groups:
-            group["lr"] = self.lr_at(self.step)
         learner.optimizer.step()
         if learner.spec.normalizes_decoder:
             _normalize_rows(layer.W_dec)
@@ -532,35 +520,6 @@ class Trainer:
             if self.world > 1:
                 dist.all_reduce(learner.firing.last_fired, op=dist.ReduceOp.MAX)
         return dict(out.metrics)
-
-    def _log(self, last: dict[str, dict[str, float]], bar: Any, wandb_run: Any) -> None:
-        for name, metrics in last.items():
-            self.learners[name].history.append({"step": self.step, "tokens": self.tokens_seen, **metrics})
-        if self.rank:
-            return
-        summary = " | ".join(
-            f"{name}: fvu {m['fvu']:.3f} l0 {m['l0']:.0f} dead {m['dead_fraction']:.2f}"
-            + (f" auxk {m['auxk']:.3f}" if "auxk" in m else "")
-            for name, m in last.items()
-        )
-        if self.progress:
-            bar.set_postfix_str(summary, refresh=False)
-        else:
-            log.info(
-                "step %d/%d lr %.2e | %s", self.step, self.total_steps, self.lr_at(self.step - 1), summary
-            )
-        if wandb_run is not None:
-            wandb_run.log(
-                {f"{name}/{key}": value for name, m in last.items() for key, value in m.items()},
-                step=self.step,
-            )
-
-    def _wandb(self) -> Any:
-        if not self.config.wandb_project:
-            return None
-        import wandb
-
-        return wandb.init(project=self.config.wandb_project, config=asdict(self.config))
 
     # -- the layers at raw scale -------------------------------------------------------------------
     def trained_layers(self) -> dict[str, MLPReplacement]:
@@ -587,44 +546,38 @@ class Trainer:
             layers[name] = layer
         return layers
 
-    # -- checkpoints ------------------------------------------------------------------------------
-    @property
-    def checkpoint_dir(self) -> Path:
-        return self.out_dir / "checkpoints"
+    # -- checkpoints (written and found by TrainingLoop) -------------------------------------------
+    def resume_free(self) -> tuple[str, ...]:
+        return _FREE
 
-    def latest_checkpoint(self) -> Path | None:
-        return latest_checkpoint(self.checkpoint_dir)
+    def identity(self) -> dict[str, Any]:
+        return {
+            "learners": {name: asdict(learner.spec) for name, learner in self.learners.items()},
+            "config": asdict(self.config),
+            "data": self.data_identity(),
+        }
 
-    def save_checkpoint(self) -> Path | None:
-        """Write the whole training state; on any failure the previous checkpoint stays ``latest``."""
-        if self.rank:
-            return None
+    def write_state(self, folder: Path) -> None:
         folded = self.trained_layers()
-
-        def fill(folder: Path) -> None:
-            for name, learner in self.learners.items():
-                folded[name].save_model(folder / name)
-                torch.save(
-                    {
-                        "weights": learner.layer.state_dict(),
-                        "optimizer": learner.optimizer.state_dict(),
-                        "last_fired": learner.firing.last_fired,
-                        "history": learner.history,
-                    },
-                    folder / name / "train_state.pt",
-                )
-            state = {
-                "step": self.step,
-                "tokens_seen": self.tokens_seen,
-                "scales": {str(k): list(v) for k, v in self.scales.items()},
-                "loss_scale": {str(k): v for k, v in self.loss_scale.items()},
-                "config": asdict(self.config),
-                "learners": {name: asdict(learner.spec) for name, learner in self.learners.items()},
-                "data": self.data_identity(),
-            }
-            (folder / "trainer_state.json").write_text(json.dumps(state, indent=2))
-
-        return save_checkpoint_dir(self.checkpoint_dir, self.step, fill, self.config.keep_checkpoints)
+        for name, learner in self.learners.items():
+            folded[name].save_model(folder / name)
+            torch.save(
+                {
+                    "weights": learner.layer.state_dict(),
+                    "optimizer": learner.optimizer.state_dict(),
+                    "last_fired": learner.firing.last_fired,
+                    "history": learner.history,
+                },
+                folder / name / "train_state.pt",
+            )
+        state = {
+            "step": self.step,
+            "tokens_seen": self.tokens_seen,
+            "scales": {str(k): list(v) for k, v in self.scales.items()},
+            "loss_scale": {str(k): v for k, v in self.loss_scale.items()},
+            **self.identity(),
+        }
+        (folder / "trainer_state.json").write_text(json.dumps(state, indent=2))
 
     def data_identity(self) -> dict[str, Any]:
         """What the stream is: the cache's settings and size, or the live stream's model, layers and
@@ -655,96 +608,22 @@ class Trainer:
             identity.update(kind="live", cache_text=getattr(source, "text_info", None))
         return json.loads(json.dumps(identity))  # as a checkpoint stores it (tuples -> lists)
 
-    def load_checkpoint(self, path: str | Path | None = None) -> Path | None:
-        """Restore the training state from ``path``, or from the newest intact checkpoint: a ``latest``
-        that names a missing or damaged folder falls back to the next older one (with a warning);
-        if checkpoints exist but none can be read, ``CheckpointError`` lists them. Returns the folder
-        used (None: nothing written yet, a fresh start is the resumed run)."""
-        candidates = [Path(path)] if path is not None else checkpoint_candidates(self.checkpoint_dir)
-        problems = []
-        pointer = self.checkpoint_dir / "latest"
-        if (
-            path is None
-            and pointer.is_file()
-            and not (self.checkpoint_dir / pointer.read_text().strip()).is_dir()
-        ):
-            problems.append(
-                f"{self.checkpoint_dir / pointer.read_text().strip()}: missing, though `latest` names it"
-            )
-        for folder in candidates:
-            try:
-                state, learners = self._read_checkpoint(folder)
-            except _Mismatch:
-                raise
-            except Exception as err:  # damaged or incomplete: say so and try the next older one
-                problems.append(f"{folder}: {type(err).__name__}: {err}")
-                continue
-            if problems:
-                warnings.warn(
-                    "skipped unreadable checkpoint(s) " + "; ".join(problems) + f"; resuming from {folder}",
-                    stacklevel=2,
-                )
-            self._apply_checkpoint(state, learners)
-            return folder
-        if problems:
-            raise CheckpointError(
-                "no checkpoint could be read: "
-                + "; ".join(problems)
-                + ". Delete the damaged folders to start "
-                f"again from step 0, or train into another folder than {self.out_dir}"
-            )
-        return None
-
-    def _read_checkpoint(self, path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
-        """Everything a resume needs, read and checked before any of it is applied."""
-        state = json.loads((path / "trainer_state.json").read_text())
-        ours = {name: asdict(learner.spec) for name, learner in self.learners.items()}
-        if state["learners"] != ours:
-            raise _Mismatch(
-                f"{path} trained other learners ({sorted(state['learners'])}) than asked ({sorted(ours)})"
-            )
-        saved, asked = dict(state["config"]), asdict(self.config)
-        free = (
-            "total_tokens",
-            "epochs",
-            "log_every",
-            "checkpoint_every",
-            "keep_checkpoints",
-            "wandb_project",
-        )
-        for key in free:
-            saved.pop(key, None), asked.pop(key, None)
-        saved["betas"] = tuple(saved["betas"])
-        if saved != asked:
-            diff = {
-                k: (saved.get(k), asked.get(k))
-                for k in set(saved) | set(asked)
-                if saved.get(k) != asked.get(k)
-            }
-            raise _Mismatch(f"{path} was trained with other settings (checkpoint, asked): {diff}")
-        here = self.data_identity()
-        there = state.get("data")
-        if there is not None and there != here:
-            diff = {
-                k: (there.get(k), here.get(k)) for k in set(there) | set(here) if there.get(k) != here.get(k)
-            }
-            raise _Mismatch(
-                f"{path} was trained on other data than this run streams (checkpoint, asked): {diff}; resume with "
-                "the same cache or text, or train into a new folder"
-            )
+    def read_state(self, folder: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+        state = json.loads((folder / "trainer_state.json").read_text())
         learners = {}
         for name, learner in self.learners.items():
             train_state = torch.load(
-                path / name / "train_state.pt", weights_only=True, map_location=self.device
+                folder / name / "train_state.pt", weights_only=True, map_location=self.device
             )
             expected = {k: v.shape for k, v in learner.layer.state_dict().items()}
             got = {k: v.shape for k, v in train_state["weights"].items()}
             if expected != got:
-                raise ValueError(f"{path / name}: weights of other shapes than {name} has")
+                raise ValueError(f"{folder / name}: weights of other shapes than {name} has")
             learners[name] = train_state
         return state, learners
 
-    def _apply_checkpoint(self, state: dict[str, Any], learners: dict[str, Any]) -> None:
+    def apply_state(self, read: tuple[dict[str, Any], dict[str, Any]]) -> None:
+        state, learners = read
         for name, learner in self.learners.items():
             train_state = learners[name]
             with torch.no_grad():

@@ -29,7 +29,8 @@ import torch.nn.functional as F
 from transformer_lens import HookedTransformer, HookedTransformerConfig
 
 from mxd_lens import checkpoints
-from mxd_lens.fileio import atomic_write
+from mxd_lens.fileio import atomic_write, atomic_write_text
+from mxd_lens.loop import TrainingLoop
 
 EVAL_SEED_OFFSET = 1_000_003  # the held-out batch's generator: seed + this, never the training stream
 
@@ -220,6 +221,175 @@ class _State:
     n_sum: int = 0
 
 
+class InductionTrainer(TrainingLoop):
+    """Trains the induction model (``train_induction_model`` documents the arguments) on the shared
+    loop ``mxd_lens.loop.TrainingLoop``: a step is one batch's cross-entropy at the final position;
+    every ``eval_every`` steps the held-out accuracy is recorded, the plateau rule may raise the rate,
+    and the run stops early once it reaches ``target_accuracy``."""
+
+    desc = "induction model"
+    checkpoint_marker = "state.pt"
+
+    def __init__(
+        self,
+        out_dir: str | Path,
+        steps: int,
+        batch_size: int = 1024,
+        lr: float = 1e-3,
+        seed: int = 0,
+        plateau: Plateau | None = DEFAULT_PLATEAU,
+        progress: bool = True,
+        task: InductionTask | None = None,
+        eval_every: int = 100,
+        eval_size: int = 4096,
+        target_accuracy: float = 0.995,
+        checkpoint_every: int = 500,
+        keep_checkpoints: int = 2,
+    ):
+        task = task or InductionTask()
+        if steps < 0 or batch_size <= 0 or eval_every <= 0 or eval_size <= 0 or checkpoint_every < 0:
+            raise ValueError(
+                f"need steps >= 0, batch_size > 0, eval_every > 0, eval_size > 0, checkpoint_every >= 0; got "
+                f"steps={steps}, batch_size={batch_size}, eval_every={eval_every}, eval_size={eval_size}, "
+                f"checkpoint_every={checkpoint_every}"
+            )
+        if not lr > 0 or not 0 < target_accuracy <= 1:
+            raise ValueError(
+                f"need lr > 0 and 0 < target_accuracy <= 1, got lr={lr}, target_accuracy={target_accuracy}"
+            )
+        self.out_dir, self.total_steps, self.progress = Path(out_dir), steps, progress
+        self.log_every, self.checkpoint_every, self.keep_checkpoints = (
+            eval_every,
+            checkpoint_every,
+            keep_checkpoints,
+        )
+        self.task, self.batch_size, self.lr, self.plateau = task, batch_size, lr, plateau
+        self.target_accuracy = target_accuracy
+        self.config = {
+            "task": asdict(task),
+            "batch_size": batch_size,
+            "lr": lr,
+            "seed": seed,
+            "plateau": asdict(plateau) if plateau else None,
+            "eval_every": eval_every,
+            "eval_size": eval_size,
+            "target_accuracy": target_accuracy,
+        }
+        self.model = induction_model(seed, task)
+        self.optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=lr)
+        self.generator = torch.Generator().manual_seed(seed)
+        self.held_out = task.sample_batch(eval_size, torch.Generator().manual_seed(seed + EVAL_SEED_OFFSET))
+        self.state = _State()
+        self.history: dict[str, Any] = {"config": self.config, "records": [], "events": []}
+
+    def fit(self, resume: bool = True) -> tuple[HookedTransformer, dict[str, Any]]:
+        """Train to ``steps`` or the target accuracy, from the latest checkpoint with ``resume``;
+        writes out_dir/model.pt and out_dir/history.json; returns (model, history)."""
+        return super().fit(resume)
+
+    # -- the loop (mxd_lens.loop.TrainingLoop runs it) --------------------------------------------
+    def lr_at(self, step: int) -> float:
+        return self.lr * (self.plateau.factor**self.state.raises if self.plateau else 1.0)
+
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        return [self.optimizer]
+
+    def named_parameters(self):
+        return self.model.named_parameters()
+
+    def should_stop(self) -> bool:
+        return self.state.solved
+
+    def batch_stream(self):
+        self._started, self._start_step = time.perf_counter(), self.step
+        while True:  # drawn one at a time, so the generator's state at a checkpoint is the next batch's
+            yield self.task.sample(self.batch_size, self.generator)
+
+    def train_step(self, batch: tuple[torch.Tensor, torch.Tensor]) -> dict[str, float]:
+        tokens, labels = batch
+        logits = final_logits(self.model, tokens)
+        loss = F.cross_entropy(logits, labels)
+        self.check_loss(loss)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        self.optimizer.step()
+        state = self.state
+        state.step = self.step + 1
+        state.loss_sum += loss.item()
+        state.acc_sum += float((logits.argmax(-1) == labels).float().mean())
+        state.n_sum += 1
+        return {}
+
+    def record(self, metrics: dict[str, float]) -> dict[str, float]:
+        state, history = self.state, self.history
+        record = _evaluate(self.model, self.held_out, state, self.optimizer, self._started, self._start_step)
+        history["records"].append(record)
+        n_events = len(history["events"])
+        _update_plateau(record, state, self.plateau, history["events"], self.lr_at(self.step))
+        if record["eval_acc"] >= self.target_accuracy:
+            state.solved = True
+            history["events"].append({"step": state.step, "kind": "solved", "eval_acc": record["eval_acc"]})
+        for event in history["events"][n_events:]:
+            log.info("event: %s", event)
+        return {k: record[k] for k in ("loss", "acc", "eval_acc", "s_per_step")}
+
+    def finish(self, metrics: dict[str, float]) -> tuple[HookedTransformer, dict[str, Any]]:
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        saved = {
+            "state_dict": self.model.state_dict(),
+            "cfg": induction_model_config(self.task),
+            "task": asdict(self.task),
+        }
+        atomic_write(self.out_dir / "model.pt", lambda tmp: torch.save(saved, tmp))
+        _write_history(self.out_dir, self.history, self.state)
+        return self.model, self.history
+
+    # -- checkpoints (written and found by TrainingLoop) -------------------------------------------
+    def resume_free(self) -> tuple[str, ...]:
+        return (
+            "target_accuracy",
+        )  # it only decides when to stop: a finished run may go on to a stricter one
+
+    def identity(self) -> dict[str, Any]:
+        return {"config": self.config}
+
+    def read_identity(self, folder: Path) -> dict[str, Any]:
+        return {"config": self.read_state(folder)["config"]}
+
+    def read_state(self, folder: Path) -> dict[str, Any]:
+        return torch.load(folder / "state.pt", weights_only=True)
+
+    def write_state(self, folder: Path) -> None:
+        torch.save(
+            {
+                "model": self.model.state_dict(),
+                "optimizer": self.optimizer.state_dict(),
+                "generator": self.generator.get_state(),
+                "state": asdict(self.state),
+                "history": self.history,
+                "config": self.history["config"],
+            },
+            folder / "state.pt",
+        )
+
+    def save_checkpoint(self) -> Path | None:
+        path = super().save_checkpoint()
+        _write_history(self.out_dir, self.history, self.state)
+        return path
+
+    def apply_state(self, saved: dict[str, Any]) -> None:
+        self.model.load_state_dict(saved["model"])
+        self.optimizer.load_state_dict(saved["optimizer"])
+        self.generator.set_state(saved["generator"])
+        self.state, self.history = _State(**saved["state"]), saved["history"]
+        self.step = self.state.step
+        if self.history["config"]["target_accuracy"] != self.target_accuracy:
+            self.history["config"]["target_accuracy"] = self.target_accuracy
+            records = self.history["records"]
+            self.state.solved = bool(records) and records[-1]["eval_acc"] >= self.target_accuracy
+        log.info("resumed from %s at step %d", self.latest_checkpoint(), self.step)
+
+
 def train_induction_model(
     out_dir: str | Path,
     steps: int,
@@ -238,104 +408,19 @@ def train_induction_model(
     """Train to ``steps`` (or until eval accuracy >= ``target_accuracy``), resuming from the latest
     checkpoint in ``out_dir`` (with the same settings; only ``target_accuracy`` may change). Writes
     out_dir/model.pt and out_dir/history.json; returns (model, history). ``plateau=None`` keeps the
-    lr fixed."""
-    task = task or InductionTask()
-    if steps < 0 or batch_size <= 0 or eval_every <= 0 or eval_size <= 0 or checkpoint_every < 0:
-        raise ValueError(
-            f"need steps >= 0, batch_size > 0, eval_every > 0, eval_size > 0, checkpoint_every >= 0; got "
-            f"steps={steps}, batch_size={batch_size}, eval_every={eval_every}, eval_size={eval_size}, "
-            f"checkpoint_every={checkpoint_every}"
-        )
-    if not lr > 0 or not 0 < target_accuracy <= 1:
-        raise ValueError(
-            f"need lr > 0 and 0 < target_accuracy <= 1, got lr={lr}, target_accuracy={target_accuracy}"
-        )
-    out_dir = Path(out_dir)
-    config = {
-        "task": asdict(task),
-        "batch_size": batch_size,
-        "lr": lr,
-        "seed": seed,
-        "plateau": asdict(plateau) if plateau else None,
-        "eval_every": eval_every,
-        "eval_size": eval_size,
-        "target_accuracy": target_accuracy,
-    }
-    model = induction_model(seed, task)
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
-    generator = torch.Generator().manual_seed(seed)
-    held_out = task.sample_batch(eval_size, torch.Generator().manual_seed(seed + EVAL_SEED_OFFSET))
-    state, history = _State(), {"config": config, "records": [], "events": []}
-    checkpoint = latest_checkpoint(out_dir)
-    if checkpoint is not None:
-        saved = torch.load(checkpoint / "state.pt", weights_only=True)
-        # The target only decides when to stop: a finished run may go on to a stricter one.
-        diff = {
-            k: (saved["config"].get(k), v)
-            for k, v in config.items()
-            if saved["config"].get(k) != v and k != "target_accuracy"
-        }
-        if diff:
-            raise ValueError(
-                f"{checkpoint} was trained with other settings (checkpoint, asked): {diff}; "
-                "ask for the same ones or use a fresh out_dir"
-            )
-        model.load_state_dict(saved["model"])
-        optimizer.load_state_dict(saved["optimizer"])
-        generator.set_state(saved["generator"])
-        state, history = _State(**saved["state"]), saved["history"]
-        if history["config"]["target_accuracy"] != target_accuracy:
-            history["config"]["target_accuracy"] = target_accuracy
-            records = history["records"]
-            state.solved = bool(records) and records[-1]["eval_acc"] >= target_accuracy
-        if progress:
-            log.info("resumed from %s at step %d", checkpoint, state.step)
-
-    started, start_step = time.perf_counter(), state.step
-    while state.step < steps and not state.solved:
-        tokens, labels = task.sample(batch_size, generator)
-        logits = final_logits(model, tokens)
-        loss = F.cross_entropy(logits, labels)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        state.step += 1
-        state.loss_sum += loss.item()
-        state.acc_sum += float((logits.argmax(-1) == labels).float().mean())
-        state.n_sum += 1
-        if state.step % eval_every == 0 or state.step == steps:
-            record = _evaluate(model, held_out, state, optimizer, started, start_step)
-            history["records"].append(record)
-            n_events = len(history["events"])
-            _update_plateau(record, state, optimizer, plateau, history["events"])
-            if record["eval_acc"] >= target_accuracy:
-                state.solved = True
-                history["events"].append(
-                    {"step": state.step, "kind": "solved", "eval_acc": record["eval_acc"]}
-                )
-            if progress:
-                log.info(
-                    f"step {state.step:6d}  loss {record['loss']:.4f}  acc {record['acc']:.3f}  "
-                    f"eval_acc {record['eval_acc']:.4f}  lr {record['lr']:.1e}  {record['s_per_step']:.3f} s/step"
-                )
-                for event in history["events"][n_events:]:
-                    log.info("event: %s", event)
-        if checkpoint_every and (state.step % checkpoint_every == 0 or state.step == steps or state.solved):
-            _save_checkpoint(out_dir, model, optimizer, generator, state, history, keep_checkpoints)
-            _write_history(out_dir, history, state)
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    saved = {"state_dict": model.state_dict(), "cfg": induction_model_config(task), "task": asdict(task)}
-    atomic_write(out_dir / "model.pt", lambda tmp: torch.save(saved, tmp))
-    _write_history(out_dir, history, state)
-    return model, history
+    lr fixed. (``InductionTrainer(...).fit()`` is the same, as an object.)"""
+    trainer = InductionTrainer(
+        out_dir, steps, batch_size, lr, seed, plateau, progress, task, eval_every, eval_size,
+        target_accuracy, checkpoint_every, keep_checkpoints,
+    )  # fmt: skip
+    return trainer.fit(resume=True)
 
 
 def _write_history(out_dir: Path, history: dict[str, Any], state: _State) -> None:
     """history.json: config, records (per eval: step, train loss/acc since the last eval, eval_loss,
     eval_acc, the lr those steps used, s_per_step), events (lr raises, solved), steps, solved."""
     text = json.dumps({**history, "steps": state.step, "solved": state.solved}, indent=1)
-    checkpoints.write_text_atomic(out_dir / "history.json", text)
+    atomic_write_text(out_dir / "history.json", text)
 
 
 @torch.no_grad()
@@ -365,10 +450,12 @@ def _evaluate(
 def _update_plateau(
     record: dict[str, float],
     state: _State,
-    optimizer: torch.optim.Optimizer,
     plateau: Plateau | None,
     events: list[dict[str, Any]],
+    lr: float,
 ) -> None:
+    """The plateau rule: after ``window`` steps without a gain of ``margin``, below ``below``, the
+    rate is multiplied by ``factor`` (``state.raises`` counts it; the loop applies the rate)."""
     acc = record["eval_acc"]
     if plateau is None:
         return
@@ -377,9 +464,6 @@ def _update_plateau(
         return
     stuck = state.step - state.best_step >= plateau.window
     if stuck and acc < plateau.below and state.raises < plateau.max_raises:
-        old = optimizer.param_groups[0]["lr"]
-        for group in optimizer.param_groups:
-            group["lr"] = old * plateau.factor
         events.append(
             {
                 "step": state.step,
@@ -387,8 +471,8 @@ def _update_plateau(
                 "eval_acc": acc,
                 "best_acc": state.best_acc,
                 "best_step": state.best_step,
-                "lr_from": old,
-                "lr_to": old * plateau.factor,
+                "lr_from": lr,
+                "lr_to": lr * plateau.factor,
             }
         )
         state.raises += 1
@@ -399,33 +483,6 @@ def _update_plateau(
 def latest_checkpoint(out_dir: str | Path) -> Path | None:
     """The newest whole checkpoint under out_dir/checkpoints (named by its ``latest`` file), or None."""
     return checkpoints.latest_checkpoint(Path(out_dir) / "checkpoints")
-
-
-def _save_checkpoint(
-    out_dir: Path,
-    model: HookedTransformer,
-    optimizer: torch.optim.Optimizer,
-    generator: torch.Generator,
-    state: _State,
-    history: dict[str, Any],
-    keep: int,
-) -> Path:
-    """Written to a temporary folder and renamed; on any failure the previous one stays ``latest``."""
-
-    def fill(folder: Path) -> None:
-        torch.save(
-            {
-                "model": model.state_dict(),
-                "optimizer": optimizer.state_dict(),
-                "generator": generator.get_state(),
-                "state": asdict(state),
-                "history": history,
-                "config": history["config"],
-            },
-            folder / "state.pt",
-        )
-
-    return checkpoints.save_checkpoint_dir(out_dir / "checkpoints", state.step, fill, keep)
 
 
 def load_induction_model(path: str | Path) -> HookedTransformer:

@@ -18,14 +18,14 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
-from tqdm.auto import tqdm
 
-from mxd_lens.checkpoints import latest_checkpoint, save_checkpoint_dir, write_text_atomic
+from mxd_lens.fileio import atomic_write_text
+from mxd_lens.loop import TrainingLoop, scheduled_lr
 from mxd_lens.spd.ci import CI_TYPES
 from mxd_lens.spd.components import Decomposition
 from mxd_lens.spd.losses import (
@@ -36,7 +36,6 @@ from mxd_lens.spd.losses import (
     kl_divergence,
     reconstruction_losses,
 )
-from mxd_lens.training import TrainingDiverged
 
 if TYPE_CHECKING:
     from transformer_lens import HookedTransformer
@@ -105,12 +104,7 @@ class SPDConfig:
             )
 
     def lr_at(self, step: int) -> float:
-        if step < self.warmup_steps:
-            return self.lr * (step + 1) / self.warmup_steps
-        if self.lr_schedule == "constant":
-            return self.lr
-        progress = (step - self.warmup_steps) / max(1, self.steps - self.warmup_steps)
-        return self.lr * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+        return scheduled_lr(step, self.steps, self.lr, self.warmup_steps, self.lr_schedule)
 
     def p_at(self, step: int) -> float:
         return self.p_start + (self.p_end - self.p_start) * step / max(1, self.steps - 1)
@@ -129,11 +123,16 @@ class SPDConfig:
 Batches = Callable[[int], torch.Tensor] | Iterable[torch.Tensor]
 
 
-class SPDTrainer:
+class SPDTrainer(TrainingLoop):
     """Decomposes ``modules`` of ``model`` on ``batches`` (step -> tokens [batch_size, seq], or an
     iterable of such), writing checkpoints and ``metrics.json`` under ``out_dir``. With a
     ``mxd_lens.spd.ablation.ResidualModel`` (the model run from a layer) a batch is the cached residual
-    stream [batch_size, seq, d_model] at that layer's input instead."""
+    stream [batch_size, seq, d_model] at that layer's input instead. The loop (resume, lr, finite
+    checks, checkpoints) is ``mxd_lens.loop.TrainingLoop``'s."""
+
+    desc = "SPD"
+    checkpoint_marker = "state.pt"
+    checkpoint_at_end = True  # the last checkpoint is the result
 
     def __init__(
         self,
@@ -146,6 +145,8 @@ class SPDTrainer:
     ):
         self.model, self.config, self.progress = model, config, progress
         self.out_dir = Path(out_dir)
+        self.total_steps, self.log_every = config.steps, config.log_every
+        self.checkpoint_every, self.keep_checkpoints = config.checkpoint_every, config.keep_checkpoints
         self.batches = batches
         self.decomposition = Decomposition(model, modules, **config.decomposition_kwargs())
         self.device = next(self.decomposition.parameters()).device
@@ -156,37 +157,34 @@ class SPDTrainer:
         self.step = 0
         self.history: list[dict[str, float]] = []
 
-    # -- the loop ----------------------------------------------------------------------------------
     def fit(self, resume: bool = True) -> dict[str, float]:
-        """Train to ``config.steps`` (from the latest checkpoint with ``resume``); the last metrics."""
-        if resume:
-            self.load_checkpoint()
-        cfg = self.config
-        stream = self._stream()
-        bar = tqdm(total=cfg.steps, initial=self.step, desc="SPD", unit="step", disable=not self.progress)
+        """Train to ``config.steps`` (from the latest checkpoint with ``resume``); the last metrics.
+        The model's own parameters are frozen meanwhile."""
         frozen = [(p, p.requires_grad) for p in self.model.parameters()]
         self.model.requires_grad_(False)
-        metrics: dict[str, float] = {}
         try:
-            while self.step < cfg.steps:
-                tokens = next(stream, None)
-                if tokens is None:
-                    raise ValueError(f"batches ran out after {self.step} of {cfg.steps} steps")
-                metrics = self.train_step(tokens)
-                self.step += 1
-                bar.update(1)
-                if self.step % cfg.log_every == 0 or self.step == cfg.steps:
-                    self._log(metrics, bar)
-                if self.step == cfg.steps or (cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0):
-                    self._check_finite()
-                    self.save_checkpoint()
+            return super().fit(resume)
         finally:
-            bar.close()
             for param, flag in frozen:
                 param.requires_grad_(flag)
-        if not metrics and self.history:  # resumed a finished run
-            metrics = {k: v for k, v in self.history[-1].items() if k != "step"}
-        return metrics
+
+    # -- the loop (mxd_lens.loop.TrainingLoop runs it) --------------------------------------------
+    def lr_at(self, step: int) -> float:
+        return self.config.lr_at(step)
+
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        return [self.optimizer]
+
+    def named_parameters(self):
+        return self.decomposition.named_parameters()
+
+    def batch_stream(self) -> Iterator[torch.Tensor]:
+        if callable(self.batches):
+            return (self.batches(step) for step in range(self.step, self.config.steps))
+        stream = iter(self.batches)
+        for _ in range(self.step):  # resumed: skip the batches the checkpoint has seen
+            next(stream)
+        return stream
 
     def train_step(self, tokens: torch.Tensor) -> dict[str, float]:
         cfg, decomp = self.config, self.decomposition
@@ -215,17 +213,9 @@ class SPDTrainer:
         if cfg.minimality:
             terms["minimality"] = importance_minimality_loss(ci, p)
         loss = sum(getattr(cfg, name) * value for name, value in terms.items())
-        if not torch.isfinite(loss):
-            values = {name: float(value.detach()) for name, value in terms.items()}
-            raise TrainingDiverged(
-                f"SPD loss is {float(loss.detach())} at step {self.step} (terms {values}); nothing of this step was "
-                f"saved, the last good checkpoint is {self.latest_checkpoint() or 'none (none written yet)'}; "
-                "try a lower lr"
-            )
+        self.check_loss(loss, "SPD loss", {name: float(value.detach()) for name, value in terms.items()})
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        for group in self.optimizer.param_groups:
-            group["lr"] = cfg.lr_at(self.step)
         self.optimizer.step()
         with torch.no_grad():
             metrics = {"loss": float(loss), **{name: float(value) for name, value in terms.items()}}
@@ -233,6 +223,29 @@ class SPDTrainer:
             l0 = {name: float(ci_l0(g)) for name, (g, _) in ci.items()}
             metrics["ci_l0"] = sum(l0.values()) / len(l0)
             metrics.update({f"ci_l0/{name}": value for name, value in l0.items()})
+        return metrics
+
+    def record(self, metrics: dict[str, float]) -> dict[str, float]:
+        super().record(metrics)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(self.out_dir / "metrics.json", json.dumps(self.history, indent=1))
+        return metrics
+
+    def summary(self, metrics: dict[str, float]) -> str:
+        short = {
+            "loss": "loss",
+            "stochastic_recon": "stoch",
+            "subset_recon": "subset",
+            "layerwise_recon": "layer",
+            "ci_masked_recon": "ci_kl",
+            "faithfulness": "faith",
+            "ci_l0": "L0",
+        }
+        return " ".join(f"{label} {metrics[key]:.3g}" for key, label in short.items() if key in metrics)
+
+    def finish(self, metrics: dict[str, float]) -> dict[str, float]:
+        if not metrics and self.history:  # resumed a finished run
+            metrics = {k: v for k, v in self.history[-1].items() if k != "step"}
         return metrics
 
     def evaluate(self, tokens: torch.Tensor, threshold: float = 0.1) -> dict[str, Any]:
@@ -245,23 +258,6 @@ class SPDTrainer:
             mask_type=self.config.mask_type,
             generator=torch.Generator(device=self.device).manual_seed(self.config.seed),
         )
-
-    def _check_finite(self) -> None:
-        """A finite loss can still come with an update that leaves NaN/inf weights: never save those."""
-        bad = [name for name, p in self.decomposition.named_parameters() if not torch.isfinite(p).all()]
-        if bad:
-            raise TrainingDiverged(
-                f"parameters {bad[:3]}{' ...' if len(bad) > 3 else ''} are not finite after step {self.step}; "
-                f"not saved, the last good checkpoint is {self.latest_checkpoint() or 'none'}; try a lower lr"
-            )
-
-    def _stream(self) -> Iterator[torch.Tensor]:
-        if callable(self.batches):
-            return (self.batches(step) for step in range(self.step, self.config.steps))
-        stream = iter(self.batches)
-        for _ in range(self.step):  # resumed: skip the batches the checkpoint has seen
-            next(stream)
-        return stream
 
     def _check_batch(self, tokens: torch.Tensor) -> torch.Tensor:
         shape = tuple(tokens.shape)
@@ -277,73 +273,32 @@ class SPDTrainer:
             )
         return tokens.to(self.device)
 
-    def _log(self, metrics: dict[str, float], bar: Any) -> None:
-        self.history.append({"step": self.step, **metrics})
-        short = {
-            "loss": "loss",
-            "stochastic_recon": "stoch",
-            "subset_recon": "subset",
-            "layerwise_recon": "layer",
-            "ci_masked_recon": "ci_kl",
-            "faithfulness": "faith",
-            "ci_l0": "L0",
-        }
-        bar.set_postfix_str(
-            " ".join(f"{label} {metrics[key]:.3g}" for key, label in short.items() if key in metrics),
-            refresh=False,
-        )
-        self.out_dir.mkdir(parents=True, exist_ok=True)
-        write_text_atomic(self.out_dir / "metrics.json", json.dumps(self.history, indent=1))
+    # -- checkpoints (written and found by TrainingLoop) -------------------------------------------
+    def resume_free(self) -> tuple[str, ...]:
+        return _FREE
 
-    # -- checkpoints ------------------------------------------------------------------------------
-    @property
-    def checkpoint_dir(self) -> Path:
-        return self.out_dir / "checkpoints"
+    def identity(self) -> dict[str, Any]:
+        return {"config": asdict(self.config), "decomposition": self.decomposition.config()}
 
-    def latest_checkpoint(self) -> Path | None:
-        return latest_checkpoint(self.checkpoint_dir, marker="state.pt")
-
-    def save_checkpoint(self) -> Path:
-        """Write the whole training state; on any failure the previous checkpoint stays ``latest``."""
-
-        def fill(folder: Path) -> None:
-            torch.save(
-                {
-                    "decomposition": self.decomposition.state_dict(),
-                    "optimizer": self.optimizer.state_dict(),
-                    "generator": self.generator.get_state(),
-                    "step": self.step,
-                    "history": self.history,
-                },
-                folder / "state.pt",
-            )
-            summary = {
+    def write_state(self, folder: Path) -> None:
+        torch.save(
+            {
+                "decomposition": self.decomposition.state_dict(),
+                "optimizer": self.optimizer.state_dict(),
+                "generator": self.generator.get_state(),
                 "step": self.step,
-                "config": asdict(self.config),
-                "decomposition": self.decomposition.config(),
-            }
-            (folder / "trainer_state.json").write_text(json.dumps(summary, indent=1))
+                "history": self.history,
+            },
+            folder / "state.pt",
+        )
+        (folder / "trainer_state.json").write_text(
+            json.dumps({"step": self.step, **self.identity()}, indent=1)
+        )
 
-        return save_checkpoint_dir(self.checkpoint_dir, self.step, fill, self.config.keep_checkpoints)
+    def read_state(self, folder: Path) -> dict[str, Any]:
+        return torch.load(folder / "state.pt", map_location=self.device, weights_only=True)
 
-    def load_checkpoint(self, path: str | Path | None = None) -> None:
-        """Restore a checkpoint (default: ``latest``; none written yet: keep the fresh state)."""
-        path = Path(path) if path is not None else self.latest_checkpoint()
-        if path is None:
-            return
-        summary = json.loads((path / "trainer_state.json").read_text())
-        saved, asked = summary["config"], asdict(self.config)
-        diff = {
-            f.name: (saved.get(f.name), asked[f.name])
-            for f in fields(SPDConfig)
-            if f.name not in _FREE and saved.get(f.name) != asked[f.name]
-        }
-        if diff or summary["decomposition"]["modules"] != self.decomposition.names:
-            raise ValueError(
-                f"{path} was trained with other settings (checkpoint, asked): {diff or ''} "
-                f"modules {summary['decomposition']['modules']} vs {self.decomposition.names}"
-            )
-        state = torch.load(path / "state.pt", map_location=self.device, weights_only=True)
+    def apply_state(self, state: dict[str, Any]) -> None:
         self.decomposition.load_state_dict(state["decomposition"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.generator.set_state(state["generator"].cpu())
