@@ -15,9 +15,9 @@ import sys
 from dataclasses import dataclass
 
 import pandas as pd
-import simple_parsing
 
 from mxd_lens.analysis.frontier import FrontierConfig, run_frontier, write_frontier_cache
+from mxd_lens.cli import parse_config
 from mxd_lens.models import DEFAULT_MODEL, load_model
 
 COLUMNS = [
@@ -37,6 +37,8 @@ COLUMNS = [
 
 @dataclass
 class Script:
+    """The model, where to write, and how."""
+
     model: str = DEFAULT_MODEL  # model name (TransformerLens) or path, or an offline default
     out: str = "results/frontier"  # output folder
     cache_only: bool = False  # write (or check) the activation cache, then stop
@@ -44,24 +46,16 @@ class Script:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = simple_parsing.ArgumentParser(
-        description=__doc__,
-        formatter_class=simple_parsing.SimpleHelpFormatter,
-        add_option_string_dash_variants=simple_parsing.DashVariant.DASH,
-        add_config_path_arg=False,
-    )
-    parser.add_arguments(Script, dest="script")
-    parser.add_arguments(FrontierConfig, dest="config")
-    args = parser.parse_args(argv)
-    model = load_model(args.script.model)
-    if args.script.cache_only:
-        cache, _, n_blocks = write_frontier_cache(model, args.config, args.script.out, args.script.progress)
+    script, config = parse_config(__doc__, argv, script=Script, config=FrontierConfig)
+    model = load_model(script.model)
+    if script.cache_only:
+        cache, _, n_blocks = write_frontier_cache(model, config, script.out, script.progress)
         print(f"cache: {cache} ({n_blocks} blocks)")
         return 0
-    rows = run_frontier(model, args.config, args.script.out, progress=args.script.progress)
+    rows = run_frontier(model, config, script.out, progress=script.progress)
     table = pd.DataFrame(rows)[COLUMNS].sort_values(["layer", "k", "method", "seed"])
     print(table.to_markdown(index=False, floatfmt=".4f"))
-    print(f"\nresults in {args.script.out}/frontier.json|csv|png")
+    print(f"\nresults in {script.out}/frontier.json|csv|png")
     return 0
 
 

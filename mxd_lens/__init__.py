@@ -11,7 +11,7 @@ from mxd_lens import layers as _layers
 from mxd_lens import logs  # noqa: F401 (the mxd_lens logger's default handler)
 from mxd_lens.hooks import capture_mlp_io, layer_metadata, splice
 from mxd_lens.layers import *  # noqa: F403 (the layer classes and configs, the architecture table)
-from mxd_lens.layers.io import load_layer
+from mxd_lens.layers.io import load_layer, load_layers
 from mxd_lens.matching import match_experts
 
 register()  # noqa: F405
@@ -30,6 +30,7 @@ __all__ = [
     "capture_mlp_io",
     "layer_metadata",
     "load_layer",
+    "load_layers",
     "match_experts",
     "splice",
 ]

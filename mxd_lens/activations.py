@@ -89,6 +89,27 @@ class StreamInfo:
 Block = dict[int, tuple[torch.Tensor, torch.Tensor]]  # layer -> (x [n, d_in], y [n, d_out])
 
 
+@dataclass
+class StreamConfig:
+    """A live activation stream: ``model`` run over the 'train' side of ``text``'s document split,
+    packed into rows and shuffled block by block (``ModelActivations.from_config``)."""
+
+    model: str | None = None
+    """smollm2-135m (offline default), a .gguf file, a local Hugging Face folder, or a TransformerLens name (hub)"""
+    text: str | None = None
+    """a .txt/.jsonl file (also .xz/.gz), a folder of them, or a Hugging Face dataset name"""
+    context_size: int = 128
+    """tokens per row, BOS included"""
+    rows_per_block: int = 256
+    """rows per shuffled block / cache shard"""
+    forward_rows: int = 16
+    """rows per model forward"""
+    eval_fraction: float = 0.02
+    """documents held out for evaluation (the split's 'eval' side)"""
+    split_seed: int = 0
+    """seed of the train/eval document split"""
+
+
 class ModelActivations:
     """Blocks of (MLP input, hook_mlp_out) for ``layers``, computed by running ``model`` on token rows.
 
@@ -103,8 +124,8 @@ class ModelActivations:
         layers: Sequence[int],
         rows: Callable[[], Iterator[torch.Tensor]],
         context_size: int,
-        rows_per_block: int = 256,
-        forward_rows: int = 16,
+        rows_per_block: int = StreamConfig.rows_per_block,
+        forward_rows: int = StreamConfig.forward_rows,
         drop_first_position: bool = True,
     ):
         if not layers:
@@ -142,9 +163,9 @@ class ModelActivations:
         model: Any,
         layers: Sequence[int],
         text: str,
-        context_size: int,
-        eval_fraction: float = 0.02,
-        split_seed: int = 0,
+        context_size: int = StreamConfig.context_size,
+        eval_fraction: float = StreamConfig.eval_fraction,
+        split_seed: int = StreamConfig.split_seed,
         **kwargs: Any,
     ) -> ModelActivations:
         """The stream of the 'train' side of ``text``'s document split, tokenized as ``model`` expects
@@ -167,6 +188,23 @@ class ModelActivations:
             "digests": data.source_digests(text),
         }
         return stream
+
+    @classmethod
+    def from_config(cls, model: Any, layers: Sequence[int], config: StreamConfig) -> ModelActivations:
+        """``from_text`` with ``config``'s text and settings (``config.model`` names ``model``; it is
+        not loaded here)."""
+        if not config.text:
+            raise ValueError("a live stream needs a text (StreamConfig.text / --text)")
+        return cls.from_text(
+            model,
+            layers,
+            config.text,
+            config.context_size,
+            eval_fraction=config.eval_fraction,
+            split_seed=config.split_seed,
+            rows_per_block=config.rows_per_block,
+            forward_rows=config.forward_rows,
+        )
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor) -> Block:

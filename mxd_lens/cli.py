@@ -5,8 +5,113 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
+
+from mxd_lens.activations import StreamConfig
+from mxd_lens.analysis.frontier import FrontierConfig
+from mxd_lens.models import DEFAULT_MODEL
+from mxd_lens.training import LearnerSpec
+
+# Each subcommand's options are the fields of a dataclass (docstrings as help, defaults stated once):
+# the stream (StreamConfig), the training recipe (TrainConfig), and the command's own below.
+
+
+@dataclass
+class CheckCommand:
+    """Options of `mxd-lens check`."""
+
+    k: int = 8
+    """active experts / latents per token"""
+    m: int = LearnerSpec.width_multiplier
+    """transcoder width multiplier; MxD is parameter-matched"""
+    seed: int = 0
+    """random seed"""
+
+
+@dataclass
+class DemoCommand:
+    """Options of `mxd-lens demo`."""
+
+    quick: bool = False
+    """a smoke run of about a minute (few tokens)"""
+    model: str = DEFAULT_MODEL
+    """model name or path"""
+    text: str | None = None
+    """text source (default: the bundled English text)"""
+    layer: int = 15
+    """block whose MLP to replace"""
+    k: int = 32
+    """active experts / latents per token"""
+    width_multiplier: int = FrontierConfig.width_multiplier
+    """transcoder width m x d_model; MxD matched"""
+    train_tokens: int | None = None
+    """training tokens (default 262,144; 8,192 with --quick)"""
+    epochs: float = 2.0
+    """passes over the training tokens"""
+    eval_tokens: int | None = None
+    """held-out tokens (default 12,800; 1,024 with --quick)"""
+    context_size: int = StreamConfig.context_size
+    """tokens per row"""
+    batch_tokens: int | None = None
+    """tokens per training step (default 512; 256 with --quick)"""
+    out: str | None = None
+    """output folder (default results/demo; results/demo-quick with --quick)"""
+
+
+@dataclass
+class CacheCommand:
+    """Options of `mxd-lens cache` (besides the stream's)."""
+
+    out: str
+    """cache folder"""
+    layers: list[int] | None = None
+    """block indices whose MLP to cache (required to write)"""
+    blocks: int | None = None
+    """blocks to write (tokens = blocks x rows-per-block x context; required to write)"""
+    verify: bool = False
+    """check every shard of the cache at --out against its recorded checksum and write nothing (exit 1 if
+    damaged; with --blocks, also that it holds that many)"""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """storage dtype"""
+
+
+@dataclass
+class TrainCommand:
+    """Options of `mxd-lens train` (besides the stream's and the recipe's)."""
+
+    out: str
+    """output folder"""
+    cache: str | None = None
+    """activation cache folder from `mxd-lens cache` (no model needed)"""
+    layers: list[int] | None = None
+    """blocks to train (all the cache holds when not given)"""
+    shuffle: Literal["global", "block"] = "global"
+    """with --cache: permute all of it every epoch (global), or read it block by block as a live stream"""
+    arch: list[str] = field(default_factory=lambda: ["mxd", "transcoder"])
+    """architectures: keys of mxd_lens.ARCHITECTURES (mxd, transcoder, skip_transcoder, any registered)"""
+    k: list[int] = field(default_factory=lambda: [32])
+    """active units per token, one or more"""
+    width_multiplier: list[int] = field(default_factory=lambda: [LearnerSpec.width_multiplier])
+    """transcoder width multiplier(s) m: width m x d_model; MxD gets the matching experts"""
+    init: Literal["default", "mlp"] = "default"
+    """'mlp': MxD's E and D start as the host MLP's"""
+    resume: bool = False
+    """continue from OUT/checkpoints/latest"""
+    device: str = "cpu"
+    """device for the learners"""
+    no_progress: bool = False
+    """no progress bar (text log lines instead)"""
+
+    def __post_init__(self) -> None:
+        from mxd_lens.layers import ARCHITECTURES
+
+        unknown = [a for a in self.arch if a not in ARCHITECTURES]
+        if unknown:
+            raise ValueError(
+                f"--arch {' '.join(unknown)}: not a key of mxd_lens.ARCHITECTURES {list(ARCHITECTURES)}"
+            )
 
 
 def _check(args: argparse.Namespace) -> int:
@@ -20,6 +125,7 @@ def _check(args: argparse.Namespace) -> int:
 
     import mxd_lens
 
+    args = args.check
     torch.manual_seed(args.seed)
     rows = []
     for kind, extra in (
@@ -74,6 +180,7 @@ def _demo(args: argparse.Namespace) -> int:
     from mxd_lens.data import default_text
     from mxd_lens.models import load_model
 
+    args = args.demo
     quick = args.quick
     model = load_model(args.model)
     config = FrontierConfig(
@@ -140,29 +247,20 @@ def demo_verdict(rows: list[dict[str, Any]]) -> str:
     )
 
 
-def _stream_source(args: argparse.Namespace, model: Any) -> Any:
-    """The live activation stream: text -> train split -> token rows -> model."""
-    from mxd_lens.activations import ModelActivations
-
-    return ModelActivations.from_text(
-        model,
-        args.layers,
-        args.text,
-        args.context_size,
-        eval_fraction=args.eval_fraction,
-        split_seed=args.split_seed,
-        rows_per_block=args.rows_per_block,
-        forward_rows=args.forward_rows,
-    )
-
-
 def _cache(args: argparse.Namespace) -> int:
     """Write (or continue, or repair) the cache at --out; with --verify, only check it: every shard
     against its recorded size and checksum, printing what is wrong (exit 1) or that it is whole."""
     import warnings
 
-    from mxd_lens.activations import REPAIR, CachedActivations, CacheLockedError, write_cache
+    from mxd_lens.activations import (
+        REPAIR,
+        CachedActivations,
+        CacheLockedError,
+        ModelActivations,
+        write_cache,
+    )
 
+    stream_config, args = args.stream, args.cache
     if args.verify:
         try:
             with warnings.catch_warnings():
@@ -191,7 +289,7 @@ def _cache(args: argparse.Namespace) -> int:
         raise SystemExit("mxd-lens cache: --layers and --blocks are required to write a cache")
     from mxd_lens.models import load_model
 
-    stream = _stream_source(args, load_model(args.model))
+    stream = ModelActivations.from_config(load_model(stream_config.model), args.layers, stream_config)
     try:
         path = write_cache(
             stream, args.out, n_blocks=args.blocks, dtype=args.dtype, text_info=stream.text_info
@@ -212,23 +310,24 @@ def _train(args: argparse.Namespace) -> int:
 
     import torch.distributed as dist
 
-    from mxd_lens.activations import CachedActivations
-    from mxd_lens.training import LearnerSpec, Trainer
+    from mxd_lens.activations import CachedActivations, ModelActivations
+    from mxd_lens.training import Trainer
 
+    stream_config, config, args = args.stream, args.config, args.train
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
         dist.init_process_group("nccl" if args.device.startswith("cuda") else "gloo")
     model = None
     if args.cache:
         source = CachedActivations(args.cache, layers=args.layers, shuffle=args.shuffle)
     else:
-        if not (args.model and args.text):
+        if not (stream_config.model and stream_config.text):
             raise SystemExit(
                 "mxd-lens train: give --cache DIR, or --model and --text to stream from the model"
             )
         from mxd_lens.models import load_model
 
-        model = load_model(args.model)
-        source = _stream_source(args, model)
+        model = load_model(stream_config.model)
+        source = ModelActivations.from_config(model, args.layers, stream_config)
     layers = args.layers or source.info.layers
     specs = [
         LearnerSpec(arch, layer, k, m, init=args.init if arch == "mxd" else "default")
@@ -237,7 +336,6 @@ def _train(args: argparse.Namespace) -> int:
         for k in args.k
         for m in args.width_multiplier
     ]
-    config = args.config
     trainer = Trainer(
         specs,
         source,
@@ -256,24 +354,6 @@ def _train(args: argparse.Namespace) -> int:
     if dist.is_initialized():
         dist.destroy_process_group()
     return 0
-
-
-def _add_stream_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--model",
-        help="smollm2-135m (offline default), a .gguf file, a local Hugging Face folder, or a TransformerLens name (hub)",
-    )
-    parser.add_argument(
-        "--text",
-        help="text: a .txt/.jsonl file (also .xz/.gz), a folder of them, or a Hugging Face dataset name",
-    )
-    parser.add_argument("--context-size", type=int, default=128, help="tokens per row, BOS included")
-    parser.add_argument(
-        "--rows-per-block", type=int, default=256, help="rows per shuffled block / cache shard"
-    )
-    parser.add_argument("--forward-rows", type=int, default=16, help="rows per model forward")
-    parser.add_argument("--eval-fraction", type=float, default=0.02, help="documents held out for evaluation")
-    parser.add_argument("--split-seed", type=int, default=0, help="seed of the train/eval document split")
 
 
 def _subparser_class() -> type:
@@ -303,10 +383,33 @@ class _DefaultsFormatter(argparse.HelpFormatter):
         return text
 
 
-def build_parser() -> argparse.ArgumentParser:
+def parse_config(description: str | None, argv: list[str] | None = None, **configs: type) -> tuple[Any, ...]:
+    """Parse a script's command line into instances of the dataclasses ``configs`` (name=class, in
+    order): each field is an option (--dash-name, its docstring the help, its default shown), so no
+    script restates a default. The analyses scripts use this; a config that refuses its fields
+    (``__post_init__`` raising ValueError) ends the script with that message."""
     import simple_parsing
 
-    import mxd_lens  # the architecture table, with any registered before the parser is built
+    class _Formatter(simple_parsing.SimpleHelpFormatter, argparse.RawDescriptionHelpFormatter):
+        pass
+
+    parser = simple_parsing.ArgumentParser(
+        description=description,
+        formatter_class=_Formatter,
+        add_option_string_dash_variants=simple_parsing.DashVariant.DASH,
+        add_config_path_arg=False,
+    )
+    for dest, config in configs.items():
+        parser.add_arguments(config, dest=dest)
+    try:
+        args = parser.parse_args(argv)
+    except ValueError as err:
+        raise SystemExit(f"{parser.prog}: {err}") from err
+    return tuple(getattr(args, dest) for dest in configs)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    import simple_parsing
 
     parser = argparse.ArgumentParser(
         prog="mxd-lens", description="Sparse MLP replacements for TransformerLens models."
@@ -318,40 +421,18 @@ def build_parser() -> argparse.ArgumentParser:
         "check",
         help="run every layer type end to end (build, save, load, splice) on small random models",
         description=_check.__doc__,
+        **as_dataclass,
     )
-    check.add_argument("--k", type=int, default=8, help="active experts / latents per token")
-    check.add_argument(
-        "--m", type=int, default=8, help="transcoder width multiplier; MxD is parameter-matched"
-    )
-    check.add_argument("--seed", type=int, default=0, help="random seed")
+    check.add_arguments(CheckCommand, dest="check")
     check.set_defaults(func=_check)
 
     demo = sub.add_parser(
         "demo",
         help="the main job: MxD vs TopK transcoder on the default model and text, end to end",
         description=_demo.__doc__,
+        **as_dataclass,
     )
-    demo.add_argument("--quick", action="store_true", help="a smoke run of about a minute (few tokens)")
-    demo.add_argument("--model", default="smollm2-135m", help="model name or path")
-    demo.add_argument("--text", help="text source (default: the bundled English text)")
-    demo.add_argument("--layer", type=int, default=15, help="block whose MLP to replace")
-    demo.add_argument("--k", type=int, default=32, help="active experts / latents per token")
-    demo.add_argument(
-        "--width-multiplier",
-        type=int,
-        default=8,
-        help="transcoder width m x d_model; MxD matched",
-    )
-    demo.add_argument(
-        "--train-tokens", type=int, help="training tokens (default 262,144; 8,192 with --quick)"
-    )
-    demo.add_argument("--epochs", type=float, default=2.0, help="passes over the training tokens")
-    demo.add_argument("--eval-tokens", type=int, help="held-out tokens (default 12,800; 1,024 with --quick)")
-    demo.add_argument("--context-size", type=int, default=128, help="tokens per row")
-    demo.add_argument(
-        "--batch-tokens", type=int, help="tokens per training step (default 512; 256 with --quick)"
-    )
-    demo.add_argument("--out", help="output folder (default results/demo; results/demo-quick with --quick)")
+    demo.add_arguments(DemoCommand, dest="demo")
     demo.set_defaults(func=_demo)
 
     cache = sub.add_parser(
@@ -361,29 +442,10 @@ def build_parser() -> argparse.ArgumentParser:
         "one safetensors shard per block, with each shard's size and checksum. Re-running with the same "
         "arguments continues an interrupted cache and recomputes shards that are missing or damaged; "
         "--verify only checks an existing cache.",
+        **as_dataclass,
     )
-    _add_stream_options(cache)
-    cache.add_argument(
-        "--layers", type=int, nargs="+", help="block indices whose MLP to cache (required to write)"
-    )
-    cache.add_argument(
-        "--blocks",
-        type=int,
-        help="blocks to write (tokens = blocks x rows-per-block x context; required to write)",
-    )
-    cache.add_argument(
-        "--verify",
-        action="store_true",
-        help="check every shard of the cache at --out against its recorded checksum and write nothing "
-        "(exit 1 if damaged; with --blocks, also that it holds that many)",
-    )
-    cache.add_argument(
-        "--dtype",
-        default="float32",
-        choices=["float32", "bfloat16", "float16"],
-        help="storage dtype",
-    )
-    cache.add_argument("--out", required=True, help="cache folder")
+    cache.add_arguments(StreamConfig, dest="stream")
+    cache.add_arguments(CacheCommand, dest="cache")
     cache.set_defaults(func=_cache)
 
     train = sub.add_parser(
@@ -394,45 +456,11 @@ def build_parser() -> argparse.ArgumentParser:
         "The training options are the fields of mxd_lens.training.TrainConfig; give --tokens or --epochs.",
         **as_dataclass,
     )
-    _add_stream_options(train)
-    train.add_argument("--cache", help="activation cache folder from `mxd-lens cache` (no model needed)")
-    train.add_argument(
-        "--layers", type=int, nargs="+", help="layers to train (all the cache holds when not given)"
-    )
-    train.add_argument(
-        "--shuffle",
-        choices=["global", "block"],
-        default="global",
-        help="with --cache: permute all of it every epoch (global), or read it block by block as a live stream",
-    )
-    train.add_argument(
-        "--arch",
-        nargs="+",
-        default=["mxd", "transcoder"],
-        choices=list(mxd_lens.ARCHITECTURES),
-        help="architectures (keys of mxd_lens.ARCHITECTURES)",
-    )
-    train.add_argument("--k", type=int, nargs="+", default=[32], help="active units per token, one or more")
-    train.add_argument(
-        "--width-multiplier",
-        type=int,
-        nargs="+",
-        default=[8],
-        help="transcoder width multiplier(s) m: width m x d_model; MxD gets the matching experts",
-    )
-    train.add_argument(
-        "--init",
-        default="default",
-        choices=["default", "mlp"],
-        help="'mlp': MxD's E and D start as the host MLP's",
-    )
+    train.add_arguments(StreamConfig, dest="stream")
+    train.add_arguments(TrainCommand, dest="train")
     from mxd_lens.training import TrainConfig
 
     train.add_arguments(TrainConfig, dest="config")
-    train.add_argument("--resume", action="store_true", help="continue from OUT/checkpoints/latest")
-    train.add_argument("--device", default="cpu", help="device for the learners")
-    train.add_argument("--no-progress", action="store_true", help="no progress bar")
-    train.add_argument("--out", required=True, help="output folder")
     train.set_defaults(func=_train)
 
     return parser

@@ -20,7 +20,7 @@ import json
 import lzma
 import os
 import zlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Literal
@@ -434,3 +434,29 @@ def default_text() -> Path:
     from importlib.resources import files
 
     return Path(str(files("mxd_lens") / "resources" / "jane_austen_novels.txt.xz"))
+
+
+def mix_texts(sources: Sequence[str | Path], out: str | Path) -> tuple[int, list[int]]:
+    """Interleave the documents of ``sources`` into the .txt.xz ``out``, balanced by volume: the next
+    document always comes from the source that has given the fewest characters so far (while it has
+    documents left), so any prefix holds about as much of each source whatever their document lengths.
+    Documents are separated by blank lines, so ``iter_texts(out)`` reads back the same documents.
+    Written atomically. Returns (documents, characters per source)."""
+    from mxd_lens.fileio import atomic_write
+
+    def write(tmp: str) -> None:
+        streams = {i: iter_texts(source) for i, source in enumerate(sources)}
+        with lzma.open(tmp, "wt", encoding="utf-8") as f:
+            while streams:
+                i = min(streams, key=lambda j: given[j])
+                doc = next(streams[i], None)
+                if doc is None:
+                    del streams[i]
+                    continue
+                f.write(("\n\n" if counts[0] else "") + doc)
+                given[i] += len(doc)
+                counts[0] += 1
+
+    given, counts = [0] * len(sources), [0]
+    atomic_write(out, write)
+    return counts[0], given

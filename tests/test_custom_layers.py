@@ -66,9 +66,12 @@ def test_the_documented_architecture_trains_folds_saves_and_loads(example, tmp_p
         torch.testing.assert_close(loaded.decode(loaded.encode(x)), loaded(x), rtol=1e-5, atol=1e-6)
 
     # The table is the one place: CLI choices and labels read it.
-    train = build_parser()._subparsers._group_actions[0].choices["train"]
-    (arch_action,) = [a for a in train._actions if a.dest == "arch"]
-    assert KEY in arch_action.choices
+    args = build_parser().parse_args(
+        ["train", "--out", "o", "--cache", "c", "--epochs", "1", "--arch", KEY, "mxd"]
+    )
+    assert args.train.arch == [KEY, "mxd"]
+    with pytest.raises(ValueError, match=f"--arch nope: not a key of mxd_lens.ARCHITECTURES .*'{KEY}'"):
+        build_parser().parse_args(["train", "--out", "o", "--cache", "c", "--epochs", "1", "--arch", "nope"])
     assert layer_label(loaded) == "Low-rank skip transcoder K=4"
 
 

@@ -474,3 +474,14 @@ def test_for_model_with_a_tokenizer_attached(tmp_path):
 def test_for_model_without_tokenizer():
     with pytest.raises(ValueError, match=r"has no tokenizer: call model\.set_tokenizer"):
         TokenRows.for_model(tiny_model(), 8)
+
+
+def test_mix_texts_takes_the_source_with_fewest_characters_next(tmp_path):
+    from mxd_lens.data import iter_texts, mix_texts
+
+    (tmp_path / "a.txt").write_text("a a\n\nb\n\nc")
+    (tmp_path / "b.txt").write_text("XXXXXXXXXX\n\nY")
+    n, given = mix_texts([tmp_path / "a.txt", tmp_path / "b.txt"], tmp_path / "mixed.txt.xz")
+    # by hand: a(0,0)->"a a"; b(3,0)->"XXXXXXXXXX"; a(3,10)->"b"; a(4,10)->"c"; a exhausted -> "Y"
+    assert list(iter_texts(tmp_path / "mixed.txt.xz")) == ["a a", "XXXXXXXXXX", "b", "c", "Y"]
+    assert (n, given) == (5, [5, 11])

@@ -35,7 +35,7 @@ class Toy(TrainingLoop):
         self.optimizer.step()
         self.seen.append(self.step)
         self.last_loss = loss.item()
-        return {"loss": float(loss), "lr": self.optimizer.param_groups[0]["lr"]}
+        return {"loss": loss.item(), "lr": self.optimizer.param_groups[0]["lr"]}
 
     def lr_at(self, step):
         return scheduled_lr(step, self.total_steps, self.lr, warmup_steps=2, schedule="linear")

@@ -219,3 +219,34 @@ def test_paired_difference_against_a_hand_count():
     assert out.mean_difference == pytest.approx(np.mean(diffs))
     assert out.se == pytest.approx(np.std(diffs, ddof=1) / 3**0.5)
     assert (out.a_wins, out.b_wins, out.tasks) == (2, 1, 3)
+
+
+def test_probing_study_writes_its_tables_and_pairs_by_k(text_model, tmp_path):
+    import pandas as pd
+
+    from mxd_lens.analysis.probing import ProbingStudy, run_probing_study
+
+    task_set = jsonl_task_set(
+        labelled_file(tmp_path / "animals.jsonl.xz"), ["cat", "dog", "bird"], per_class=30
+    )
+    for name, layer in {
+        "mxd": MxD.for_model(text_model, 1, d_sae=6, k=4),
+        "tc": TopKTranscoder.for_model(text_model, 1, d_sae=16, k=4),
+    }.items():
+        randomise(layer, 3, scale=0.05)
+        layer.save_model(tmp_path / "final" / name)
+    study = ProbingStudy(layers=[str(tmp_path / "final")], ks=[1, 2], context_size=12)
+    out = run_probing_study(text_model, study, tmp_path / "out", progress=False, task_sets=[task_set])
+    for name in ("probing.csv", "summary.csv", "paired.csv", "probing.json", "probing.png"):
+        assert (tmp_path / "out" / name).is_file(), name
+    table = pd.read_csv(tmp_path / "out/probing.csv")
+    assert set(table.label) >= {"MxD K=4", "Transcoder K=4"}
+    # MxD minus the transcoder, by hand from the written table
+    for k in (1, 2):
+        acc = {
+            s: table[(table.source == s) & (table.k == str(k))].set_index("task").test_accuracy
+            for s in ("mxd", "tc")
+        }
+        row = out["paired"][(out["paired"].k == k)].iloc[0]
+        assert row.comparison == "MxD - Transcoder" and row.K == 4
+        assert row.mean_difference == pytest.approx((acc["mxd"] - acc["tc"]).mean())

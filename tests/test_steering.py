@@ -186,3 +186,39 @@ def test_steer_through_add_sae_equals_a_hand_written_intervention(cls, tokens):
     with pytest.raises(ValueError, match="add_sae"):  # neither spliced nor attached
         with steering.steer(hsat, layer, feature, alpha):
             pass
+
+
+def test_steering_study_end_to_end_on_a_toy_suite(tmp_path, monkeypatch):
+    """The study's glue on a one-set suite: targets, sweep, files, top contexts; at multiple 0 every
+    layer generates the clean model's text (error term on), so both score the same."""
+    import pandas as pd
+    from test_probing import labelled_file
+
+    from mxd_lens.analysis import tasks
+
+    model, text = make_text_model(tmp_path)
+    animals = tasks.jsonl_task_set(
+        labelled_file(tmp_path / "animals.jsonl.xz"), ["cat", "dog", "bird"], per_class=20
+    )
+    monkeypatch.setattr(tasks, "offline_suite", lambda per_class=None: [animals])
+    monkeypatch.setattr("mxd_lens.data.default_text", lambda: text)
+    for name, layer in {
+        "mxd": MxD.for_model(model, 1, d_sae=6, k=3),
+        "tc": TopKTranscoder.for_model(model, 1, d_sae=16, k=3),
+    }.items():
+        randomise(layer, 3, scale=0.05)
+        layer.save_model(tmp_path / "final" / name)
+    study = steering.SteeringStudy(layers=str(tmp_path / "final"), k=3, tasks=["animals/cat"], multiples=[0.0, 4.0],
+                                   samples=2, new_tokens=3, context_size=12, context_tokens=256)  # fmt: skip
+    table = steering.run_steering_study(model, study, tmp_path / "out", progress=False)
+    assert sorted(table.name) == ["mxd", "mxd", "tc", "tc"] and (table.scale > 0).all()
+    zero = table[table.multiple == 0].set_index("name")
+    assert zero.loc["mxd", "example"] == zero.loc["tc", "example"]
+    assert zero.loc["mxd", "concept"] == pytest.approx(zero.loc["tc", "concept"])
+    for name in ("steering.csv", "steering.json", "steering.png", "contexts/mxd.html", "contexts/tc.csv"):
+        assert (tmp_path / "out" / name).is_file(), name
+    contexts = pd.read_csv(tmp_path / "out/contexts/tc.csv")
+    assert set(contexts.feature) <= set(table[table.name == "tc"].feature)
+    with pytest.raises(ValueError, match="unknown tasks"):
+        steering.run_steering_study(model, steering.SteeringStudy(layers=str(tmp_path / "final"), k=3, tasks=["x/y"]),
+                                    tmp_path / "bad", progress=False)  # fmt: skip

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from mxd_lens import data
-from mxd_lens.activations import MANIFEST, CachedActivations, ModelActivations, write_cache
+from mxd_lens.activations import MANIFEST, CachedActivations, ModelActivations, StreamConfig, write_cache
 from mxd_lens.evaluation import check_disjoint, evaluate
 from mxd_lens.fileio import atomic_write_text
 from mxd_lens.layers import BUILT_IN, get_architecture
@@ -54,14 +54,14 @@ class FrontierConfig:
     train_tokens: int = 1_000_000  # tokens cached from the train split
     epochs: float = 1.0  # passes over them
     eval_tokens: int = 25_600  # held-out tokens for CE, KL, FVU, L0, dead units
-    context_size: int = 128  # tokens per row (BOS included where the model uses one)
+    context_size: int = StreamConfig.context_size  # tokens per row (BOS included where the model uses one)
     batch_tokens: int = TrainConfig.batch_tokens  # tokens per training step
     lr: float = TrainConfig.lr  # Adam learning rate
     warmup_steps: int | None = None  # None: the trainer's default fraction of the steps
-    rows_per_block: int = 256  # token rows per cache shard
+    rows_per_block: int = StreamConfig.rows_per_block  # token rows per cache shard
     eval_batch_rows: int = 8  # token rows per evaluation forward
-    eval_fraction: float = 0.02  # documents of text held out as its 'eval' side
-    split_seed: int = 0  # seed of that document split
+    eval_fraction: float = StreamConfig.eval_fraction  # documents of text held out as its 'eval' side
+    split_seed: int = StreamConfig.split_seed  # seed of that document split
     seed: int = 0  # seed of the layers and points with no @SEED
     cache_dtype: str = "float32"  # float32, float16 or bfloat16 storage of the cache
 

@@ -19,6 +19,7 @@ import html
 import operator
 from collections import Counter
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -302,3 +303,84 @@ def to_html(df: pd.DataFrame, title: str, path: str | Path | None = None) -> str
 def _text(s: Any) -> str:
     """Escaped for HTML; a newline shows as ↵ so one context stays on one line."""
     return html.escape(str(s), quote=True).replace("\r\n", "↵").replace("\n", "↵").replace("\r", "↵")
+
+
+# -- the study (analyses/inspect_features.py, the steering study, a notebook) -----------------------
+@dataclass
+class InspectStudy:
+    """Top-activating contexts of chosen experts / latents of one saved layer."""
+
+    layer: str
+    """a saved layer folder"""
+    features: list[int] = field(default_factory=list)
+    """feature indices (experts for MxD, latents for transcoders)"""
+    from_steering: str | None = None
+    """a steering.csv: also take the features the steering study chose for this layer"""
+    text: list[str] | None = None
+    """texts to read, an equal share of tokens from each (default: the bundled English text)"""
+    tokens: int = 100_000
+    """tokens to read in all"""
+    context_size: int = 128
+    """tokens per row, BOS first"""
+    n: int = 20
+    """contexts per feature"""
+
+
+def text_batches(
+    model: Any, sources: Sequence[str | Path] | None, tokens: int, context_size: int, rows: int = 8
+) -> Iterable[torch.Tensor]:
+    """[rows, context_size] token batches (BOS first, as ``data.TokenRows``) from ``sources`` (default:
+    the bundled English text), an equal share of ``tokens`` from each."""
+    import itertools
+
+    from mxd_lens.data import TokenRows, default_text, iter_texts
+
+    token_rows = TokenRows.for_model(model, context_size)
+    sources = list(sources) if sources else [default_text()]
+    n_batches = max(1, tokens // (rows * context_size * len(sources)))
+    return itertools.chain.from_iterable(
+        itertools.islice(token_rows.batches(iter_texts(source), rows), n_batches) for source in sources
+    )
+
+
+def write_top_contexts(
+    model: Any,
+    layer: MLPReplacement[Any],
+    features: Sequence[int],
+    out: str | Path,
+    name: str,
+    text: Sequence[str | Path] | None = None,
+    tokens: int = InspectStudy.tokens,
+    context_size: int = InspectStudy.context_size,
+    n: int = InspectStudy.n,
+    progress: bool = True,
+) -> pd.DataFrame:
+    """``top_activations`` of ``features`` over ``text_batches``, written as OUT/NAME.csv and the
+    page OUT/NAME.html; returns the table."""
+    batches = text_batches(model, text, tokens, context_size)
+    table = top_activations(model, layer, batches, features, n=n, progress=progress)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    table.to_csv(out / f"{name}.csv", index=False)
+    to_html(table, f"{name}: top contexts over {table.attrs['tokens']:,} tokens", out / f"{name}.html")
+    return table
+
+
+def run_inspect_study(
+    model: Any, study: InspectStudy, out: str | Path, progress: bool = True
+) -> pd.DataFrame:
+    """``write_top_contexts`` for ``study``'s layer and features (named by the layer's folder)."""
+    from mxd_lens.layers.io import load_layer
+
+    layer, name = load_layer(study.layer), Path(study.layer).name
+    features = list(study.features)
+    if study.from_steering:
+        chosen = pd.read_csv(study.from_steering)
+        features += sorted(set(chosen[chosen["name"] == name]["feature"].astype(int)) - set(features))
+    if not features:
+        raise ValueError(
+            "no features: give features, or from_steering with a steering.csv that used this layer"
+        )
+    return write_top_contexts(
+        model, layer, features, out, name, study.text, study.tokens, study.context_size, study.n, progress
+    )

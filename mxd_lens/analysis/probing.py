@@ -19,8 +19,9 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 import torch
@@ -408,3 +409,94 @@ def plot_probing(table: pd.DataFrame, labels: Mapping[str, str], path: str | Pat
     if path is not None:
         fig.savefig(path, dpi=120)
     return fig
+
+
+# -- the study (analyses/sparse_probing.py, a notebook) --------------------------------------------
+@dataclass
+class ProbingStudy:
+    """Sparse probing of saved layers on a task suite: which layer's codes name a concept in k features."""
+
+    layers: list[str]
+    """layer folders, or folders holding them (a trainer's final/, the frontier's runs/*/final)"""
+    suite: Literal["offline", "saebench"] = "offline"
+    """offline: the 38 one-vs-rest tasks over 8 datasets in data; saebench: SAEBench's datasets (hub)"""
+    data: str = "../shared/data/probing"
+    """folder of the offline suite's files"""
+    per_class: int | None = None
+    """examples per class (default: the suite's, 200)"""
+    ks: list[int] = field(default_factory=lambda: [1, 2, 5])
+    """probe sizes: features kept per probe"""
+    context_size: int = 128
+    """tokens per text, BOS included"""
+    batch_size: int = 16
+    """texts per model forward"""
+    seed: int = 0
+    """seed of the train/validation/test split"""
+
+
+def paired_comparisons(table: pd.DataFrame, labels: Mapping[str, str]) -> pd.DataFrame:
+    """MxD against each other method at the same K: ``paired_difference`` per k, one block per pair."""
+    import pandas as pd
+
+    by_label = {label: source for source, label in labels.items()}
+    frames = []
+    for label, source in by_label.items():
+        method, K = label.rsplit(" K=", 1)
+        if method != "MxD":
+            continue
+        for other, other_source in by_label.items():
+            other_method, other_K = other.rsplit(" K=", 1)
+            if other_K == K and other_method != "MxD":
+                frame = paired_difference(table, source, other_source)
+                frames.append(frame.assign(K=int(K), comparison=f"MxD - {other_method}"))
+    if not frames:
+        return pd.DataFrame()
+    cols = ["K", "comparison", "k", "mean_difference", "se", "a_wins", "b_wins", "tasks"]
+    return pd.concat(frames)[cols].sort_values(["K", "comparison", "k"])
+
+
+def run_probing_study(
+    model: HookedTransformer,
+    study: ProbingStudy,
+    out: str | Path,
+    command: str | None = None,
+    progress: bool = True,
+    task_sets: Sequence[TaskSet] | None = None,
+) -> dict[str, pd.DataFrame]:
+    """Run ``study`` and write OUT/probing.csv and .json (one row per task, source and k),
+    OUT/summary.csv (mean accuracy and standard error per source and k), OUT/paired.csv (MxD minus
+    each other method at equal K, paired over tasks) and OUT/probing.png; pooled activations are
+    kept under OUT/pooled for reruns. Returns {"table", "summary", "paired"}. ``task_sets`` replaces
+    the study's suite (e.g. your own ``jsonl_task_set``)."""
+    from mxd_lens.analysis import tasks
+    from mxd_lens.layers.io import load_layers
+
+    layers = load_layers(study.layers)
+    if task_sets is None:
+        task_sets = tasks.offline_suite(study.per_class) if study.suite == "offline" else list(tasks.SAEBENCH)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    table, _ = run_probing(
+        model, task_sets, layers, ks=study.ks, data_root=study.data, cache=out / "pooled",
+        context_size=study.context_size, batch_size=study.batch_size, seed=study.seed, progress=progress,
+    )  # fmt: skip
+    labels = {name: layer_label(layer) for name, layer in layers.items()}
+    table["label"] = table.source.map(labels).fillna(table.source)
+    table.to_csv(out / "probing.csv", index=False)
+    summary = summarize(table)
+    summary.insert(0, "label", [labels.get(s, s) for s in summary.index])
+    summary.to_csv(out / "summary.csv")
+    pairs = paired_comparisons(table, labels)
+    pairs.to_csv(out / "paired.csv", index=False)
+    record = {
+        "command": command,
+        "study": asdict(study),
+        "model": model.cfg.model_name,
+        "layers": {name: (layer.cfg.metadata.training or {}).get("tokens") for name, layer in layers.items()},
+        "task_sets": [{"name": s.name, "classes": s.classes, "per_class": s.per_class, "binary": s.binary,
+                       "family": s.family} for s in task_sets],
+        "rows": json.loads(table.to_json(orient="records")),
+    }  # fmt: skip
+    atomic_write_text(out / "probing.json", json.dumps(record, indent=1))
+    plot_probing(table, labels, out / "probing.png")
+    return {"table": table, "summary": summary, "paired": pairs}

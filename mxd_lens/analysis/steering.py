@@ -17,10 +17,11 @@ with ``name`` and ``__call__(generation) -> list[float]``.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -36,6 +37,8 @@ if TYPE_CHECKING:
     from mxd_lens.layers.base import MLPReplacement
 
 NEUTRAL_PROMPT = "Let's talk about"
+
+log = logging.getLogger(__name__)
 
 
 @contextmanager
@@ -277,3 +280,146 @@ def plot_sweep(
     if path is not None:
         fig.savefig(path, dpi=120)
     return fig
+
+
+# -- the study (analyses/steering.py, a notebook) ---------------------------------------------------
+DEFAULT_TASKS = ("language_id/fr", "code_language/python", "bbc_news/sports", "fortunes_set2/startrek")
+
+
+@dataclass
+class SteeringStudy:
+    """Steer with the top probing feature of several tasks, for each layer at one K, and score each
+    generation offline: concept strength (a dense probe for the task's class against every other text
+    of the suite, reading the clean model's MLP input pooled over the generated tokens) and fluency
+    (the clean model's perplexity of the generated tokens)."""
+
+    layers: str
+    """folder of saved layers (a trainer's final/, the frontier's runs/*/final)"""
+    k: int = 32
+    """use the layers with this K"""
+    tasks: list[str] = field(default_factory=lambda: list(DEFAULT_TASKS))
+    """offline-suite tasks, as set/class"""
+    data: str = "../shared/data/probing"
+    """folder of the offline suite's files"""
+    per_class: int | None = None
+    """examples per class (default: the suite's; as in the probing run)"""
+    probing: str | None = None
+    """a pooled-activation cache to reuse (probing's OUT/pooled; default OUT/pooled)"""
+    multiples: list[float] = field(default_factory=lambda: [0.0, 2.0, 8.0, 32.0, 128.0])
+    """alpha in units of the feature's largest activation on the task's positive training texts"""
+    samples: int = 10
+    """generations per setting"""
+    new_tokens: int = 32
+    """tokens per generation"""
+    prompt: str = NEUTRAL_PROMPT
+    """the prompt every generation continues"""
+    seed: int = 0
+    """sampling seed"""
+    context_size: int = 128
+    """tokens per text read (the suite's texts, the top contexts), BOS included; as in probing"""
+    context_tokens: int = 100_000
+    """tokens of the bundled English text searched for each steered feature's top contexts (0: none)"""
+
+
+def steering_targets(
+    model: HookedTransformer, study: SteeringStudy, layers: Mapping[str, MLPReplacement], store: Any
+) -> list[dict[str, Any]]:
+    """For each task and layer, the feature ranked first on the task's training split (as in sparse
+    probing), its largest activation on the task's positive training texts (the unit of alpha, each
+    text read as in probing: BOS + the first context_size - 1 tokens), and the task's concept probe as a scorer."""
+    import numpy as np
+
+    from mxd_lens.analysis import probing, tasks
+    from mxd_lens.analysis.inspect import top_activations
+
+    sets = {s.name: s for s in tasks.offline_suite(study.per_class)}
+    known = [t for s in sets.values() for t in s.tasks]
+    unknown = [t for t in study.tasks if t not in known]
+    if unknown:
+        raise ValueError(f"unknown tasks {unknown}; offline tasks: {known}")
+    blocks = sorted({hooks.layer_index(layer) for layer in layers.values()})
+    # pooled MLP inputs of every suite text (cached by sparse probing): the concept probes' negatives
+    dense_all = {
+        name: store.get(model, s.load(study.data), {}, blocks, study.context_size) for name, s in sets.items()
+    }
+    targets = []
+    for task in study.tasks:
+        set_name = task.split("/", 1)[0]
+        examples = sets[set_name].load(study.data)
+        pooled = store.get(model, examples, layers, blocks, study.context_size)
+        parts, y = probing.task_splits(examples, seed=0)[task]
+        positives = [examples.texts[i] for i in parts["train"] if y[i]]
+        concept = {}
+        for block in blocks:
+            key = f"mlp_in.L{block}"
+            negatives = [dense_all[n][key].numpy() for n in sets if n != set_name]
+            negatives.append(pooled[key].numpy()[y == 0])
+            concept[block] = concept_probe(pooled[key].numpy()[y == 1], np.concatenate(negatives))
+            log.info(
+                "%s: concept probe (vs all other suite texts) test accuracy %.3f", task, concept[block][1]
+            )
+        for name, layer in layers.items():
+            block = hooks.layer_index(layer)
+            chosen = probing.probe_task(pooled[name].numpy(), y, parts, k=1)
+            feature = chosen["features"][0]
+            rows = (
+                torch.tensor([ids]) for ids in probing.tokenize_texts(model, positives, study.context_size)
+            )
+            top = top_activations(model, layer, rows, [feature], n=1, progress=False)
+            scale = float(top.activation.max())
+            targets.append(
+                {
+                    "task": task,
+                    "method": type(layer).label,
+                    "name": name,
+                    "feature": feature,
+                    "probe_k1_accuracy": chosen["test_accuracy"],
+                    "concept_probe_accuracy": concept[block][1],
+                    "scale": scale,
+                    "layer": layer,
+                    "scorers": [ProbeScorer(model, concept[block][0], block, name="concept")],
+                }
+            )
+            log.info("%s %s: feature %d, k=1 accuracy %.3f, max activation %.3g", task, name, feature,
+                     chosen["test_accuracy"], scale)  # fmt: skip
+    return targets
+
+
+def run_steering_study(
+    model: HookedTransformer,
+    study: SteeringStudy,
+    out: str | Path,
+    command: str | None = None,
+    progress: bool = True,
+) -> pd.DataFrame:
+    """Run ``study``: OUT/steering.csv and .json (one row per task, layer and multiple), OUT/steering.png,
+    and per layer OUT/contexts/NAME.csv|html, the top contexts of the features it steered with."""
+    import json
+    from dataclasses import asdict
+
+    from mxd_lens.analysis.inspect import write_top_contexts
+    from mxd_lens.analysis.probing import PooledCache
+    from mxd_lens.fileio import atomic_write_text
+    from mxd_lens.layers.io import load_layers
+
+    layers = {name: layer for name, layer in load_layers(study.layers).items() if layer.cfg.k == study.k}
+    if not layers:
+        raise ValueError(f"no layer with K={study.k} under {study.layers}")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    store = PooledCache(study.probing or out / "pooled")
+    targets = steering_targets(model, study, layers, store)
+    table = sweep(
+        model, targets, study.multiples, [PerplexityScorer(model)], prompt=study.prompt,
+        n_samples=study.samples, max_new_tokens=study.new_tokens, seed=study.seed, progress=progress,
+    )  # fmt: skip
+    table.to_csv(out / "steering.csv", index=False)
+    record = {"command": command, "study": asdict(study), "rows": json.loads(table.to_json(orient="records"))}
+    atomic_write_text(out / "steering.json", json.dumps(record, indent=1))
+    plot_sweep(table, out / "steering.png")
+    if study.context_tokens:
+        for name, layer in layers.items():
+            features = sorted({t["feature"] for t in targets if t["name"] == name})
+            write_top_contexts(model, layer, features, out / "contexts", name, tokens=study.context_tokens,
+                               context_size=study.context_size, progress=progress)  # fmt: skip
+    return table

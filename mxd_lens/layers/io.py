@@ -48,3 +48,26 @@ def load_layer(path: str | Path, device: str = "cpu", dtype: str | None = None) 
             f"{weights} is not a readable safetensors file (truncated or damaged?): {err}"
         ) from None
     return SAE.load_from_disk(path, device=device, dtype=dtype)
+
+
+def load_layers(paths: str | Path | list[str | Path], device: str = "cpu") -> dict[str, MLPReplacement]:
+    """Layers by folder name from layer folders, or folders holding them one level down (as a
+    trainer's ``final/`` or the frontier's ``runs/*/final/``)."""
+    found: dict[str, MLPReplacement] = {}
+    for path in map(Path, [paths] if isinstance(paths, (str, Path)) else paths):
+        folders = (
+            [path]
+            if (path / SAE_CFG_FILENAME).is_file()
+            else sorted(p.parent for p in path.glob(f"*/{SAE_CFG_FILENAME}"))
+        )
+        if not folders:
+            raise FileNotFoundError(
+                f"{path}: no saved layer (a folder with {SAE_CFG_FILENAME}) here or one level down"
+            )
+        for folder in folders:
+            if folder.name in found:
+                raise ValueError(
+                    f"two layers are named {folder.name!r} ({folder}); give folders with distinct names"
+                )
+            found[folder.name] = load_layer(folder, device=device)
+    return found

@@ -221,6 +221,38 @@ class _State:
     n_sum: int = 0
 
 
+@dataclass
+class InductionTraining:
+    """How ``train_induction_model`` trains, as options (analyses/spd_induction_model.py)."""
+
+    steps: int = 20_000
+    """most training steps"""
+    batch_size: int = 1024
+    """sequences per step"""
+    lr: float = 1e-3
+    """AdamW learning rate"""
+    seed: int = 0
+    """init and data seed"""
+    plateau: bool = True
+    """raise the lr x3 once after a 1500-step plateau (Plateau()); false: keep it fixed"""
+    target_accuracy: float = 0.995
+    """stop when held-out accuracy reaches this (may be raised when resuming)"""
+    eval_every: int = 100
+    """steps between held-out evaluations"""
+    eval_size: int = 4096
+    """held-out sequences"""
+    checkpoint_every: int = 500
+    """steps between checkpoints (0: none)"""
+    keep_checkpoints: int = 2
+    """checkpoints kept"""
+
+    def train(self, out_dir: str | Path, progress: bool = True) -> tuple[HookedTransformer, dict[str, Any]]:
+        """``train_induction_model`` with these settings."""
+        settings = asdict(self)
+        settings["plateau"] = DEFAULT_PLATEAU if self.plateau else None
+        return train_induction_model(out_dir, progress=progress, **settings)
+
+
 class InductionTrainer(TrainingLoop):
     """Trains the induction model (``train_induction_model`` documents the arguments) on the shared
     loop ``mxd_lens.loop.TrainingLoop``: a step is one batch's cross-entropy at the final position;
@@ -234,17 +266,17 @@ class InductionTrainer(TrainingLoop):
         self,
         out_dir: str | Path,
         steps: int,
-        batch_size: int = 1024,
-        lr: float = 1e-3,
-        seed: int = 0,
+        batch_size: int = InductionTraining.batch_size,
+        lr: float = InductionTraining.lr,
+        seed: int = InductionTraining.seed,
         plateau: Plateau | None = DEFAULT_PLATEAU,
         progress: bool = True,
         task: InductionTask | None = None,
-        eval_every: int = 100,
-        eval_size: int = 4096,
-        target_accuracy: float = 0.995,
-        checkpoint_every: int = 500,
-        keep_checkpoints: int = 2,
+        eval_every: int = InductionTraining.eval_every,
+        eval_size: int = InductionTraining.eval_size,
+        target_accuracy: float = InductionTraining.target_accuracy,
+        checkpoint_every: int = InductionTraining.checkpoint_every,
+        keep_checkpoints: int = InductionTraining.keep_checkpoints,
     ):
         task = task or InductionTask()
         if steps < 0 or batch_size <= 0 or eval_every <= 0 or eval_size <= 0 or checkpoint_every < 0:
@@ -393,17 +425,17 @@ class InductionTrainer(TrainingLoop):
 def train_induction_model(
     out_dir: str | Path,
     steps: int,
-    batch_size: int = 1024,
-    lr: float = 1e-3,
-    seed: int = 0,
+    batch_size: int = InductionTraining.batch_size,
+    lr: float = InductionTraining.lr,
+    seed: int = InductionTraining.seed,
     plateau: Plateau | None = DEFAULT_PLATEAU,
     progress: bool = True,
     task: InductionTask | None = None,
-    eval_every: int = 100,
-    eval_size: int = 4096,
-    target_accuracy: float = 0.995,
-    checkpoint_every: int = 500,
-    keep_checkpoints: int = 2,
+    eval_every: int = InductionTraining.eval_every,
+    eval_size: int = InductionTraining.eval_size,
+    target_accuracy: float = InductionTraining.target_accuracy,
+    checkpoint_every: int = InductionTraining.checkpoint_every,
+    keep_checkpoints: int = InductionTraining.keep_checkpoints,
 ) -> tuple[HookedTransformer, dict[str, Any]]:
     """Train to ``steps`` (or until eval accuracy >= ``target_accuracy``), resuming from the latest
     checkpoint in ``out_dir`` (with the same settings; only ``target_accuracy`` may change). Writes
@@ -497,3 +529,31 @@ def load_induction_model(path: str | Path) -> HookedTransformer:
     model.load_state_dict(saved["state_dict"])
     model.pos_embed.W_pos.requires_grad_(False)
     return model
+
+
+def plot_training_curves(history: dict[str, Any], path: str | Path | None = None) -> Any:
+    """Train and held-out loss and accuracy against step, lr raises and the solved step marked.
+    Returns the Figure (saved to ``path`` when given)."""
+    from matplotlib.figure import Figure
+
+    records = history["records"]
+    steps = [r["step"] for r in records]
+    fig = Figure(figsize=(11, 4), layout="tight")
+    ax_loss, ax_acc = fig.subplots(1, 2)
+    ax_loss.plot(steps, [r["loss"] for r in records], label="train")
+    ax_loss.plot(steps, [r["eval_loss"] for r in records], label="held-out")
+    ax_loss.set(xlabel="step", ylabel="cross-entropy (final position)", yscale="log")
+    ax_acc.plot(steps, [r["acc"] for r in records], label="train")
+    ax_acc.plot(steps, [r["eval_acc"] for r in records], label="held-out")
+    ax_acc.set(xlabel="step", ylabel="accuracy", ylim=(0, 1.02))
+    for event in history["events"]:
+        for ax in (ax_loss, ax_acc):
+            ax.axvline(event["step"], color="gray", ls="--", lw=0.8)
+        label = f"lr -> {event['lr_to']:.0e}" if event["kind"] == "plateau_lr_raised" else event["kind"]
+        ax_acc.annotate(label, (event["step"], 0.5), rotation=90, fontsize=8, ha="right")
+    ax_loss.legend()
+    ax_acc.legend()
+    fig.suptitle("toy induction-head model: 2-layer attention-only, d_model 16")
+    if path is not None:
+        fig.savefig(path, dpi=120)
+    return fig
