@@ -361,26 +361,15 @@ def _subparser_class() -> type:
 
     class Subparser(simple_parsing.ArgumentParser):
         """A subcommand's parser: options from config dataclasses (``add_arguments``) as --dash-names,
-        plain argparse help unless it says otherwise."""
+        every default shown in the help."""
 
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             kwargs.setdefault("add_option_string_dash_variants", simple_parsing.DashVariant.DASH)
             kwargs.setdefault("add_config_path_arg", False)
-            kwargs.setdefault("formatter_class", _DefaultsFormatter)
+            kwargs.setdefault("formatter_class", simple_parsing.SimpleHelpFormatter)
             super().__init__(*args, **kwargs)
 
     return Subparser
-
-
-class _DefaultsFormatter(argparse.HelpFormatter):
-    """Appends an option's default to its help (so no help string restates it), unless it is
-    None or False (then the help says what happens)."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        text = action.help or ""
-        if "%(default)" not in text and action.default not in (None, False, argparse.SUPPRESS):
-            text += " (default: %(default)s)"
-        return text
 
 
 def parse_config(description: str | None, argv: list[str] | None = None, **configs: type) -> tuple[Any, ...]:
@@ -409,60 +398,51 @@ def parse_config(description: str | None, argv: list[str] | None = None, **confi
 
 
 def build_parser() -> argparse.ArgumentParser:
-    import simple_parsing
 
     parser = argparse.ArgumentParser(
         prog="mxd-lens", description="Sparse MLP replacements for TransformerLens models."
     )
     # Subcommands are simple_parsing parsers, so a config dataclass becomes options (field docstrings as help).
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_subparser_class())
-    as_dataclass = dict(formatter_class=simple_parsing.SimpleHelpFormatter)  # shows every default
-    check = sub.add_parser(
-        "check",
-        help="run every layer type end to end (build, save, load, splice) on small random models",
-        description=_check.__doc__,
-        **as_dataclass,
-    )
-    check.add_arguments(CheckCommand, dest="check")
-    check.set_defaults(func=_check)
-
-    demo = sub.add_parser(
-        "demo",
-        help="the main job: MxD vs TopK transcoder on the default model and text, end to end",
-        description=_demo.__doc__,
-        **as_dataclass,
-    )
-    demo.add_arguments(DemoCommand, dest="demo")
-    demo.set_defaults(func=_demo)
-
-    cache = sub.add_parser(
-        "cache",
-        help="write an activation cache (MLP input/output pairs) for later training runs",
-        description="Run the model over the training split of --text and store (MLP input, MLP output) for --layers, "
-        "one safetensors shard per block, with each shard's size and checksum. Re-running with the same "
-        "arguments continues an interrupted cache and recomputes shards that are missing or damaged; "
-        "--verify only checks an existing cache.",
-        **as_dataclass,
-    )
-    cache.add_arguments(StreamConfig, dest="stream")
-    cache.add_arguments(CacheCommand, dest="cache")
-    cache.set_defaults(func=_cache)
-
-    train = sub.add_parser(
-        "train",
-        help="train MxD / transcoders / skip transcoders from one activation stream",
-        description="Train every combination of --arch x --k x --m x --layers from one stream (a cache, or the model live). "
-        "Checkpoints go to OUT/checkpoints, final SAELens-format weights to OUT/final/NAME. Runs under torchrun too. "
-        "The training options are the fields of mxd_lens.training.TrainConfig; give --tokens or --epochs.",
-        **as_dataclass,
-    )
-    train.add_arguments(StreamConfig, dest="stream")
-    train.add_arguments(TrainCommand, dest="train")
     from mxd_lens.training import TrainConfig
 
-    train.add_arguments(TrainConfig, dest="config")
-    train.set_defaults(func=_train)
-
+    commands = {  # name: (help, description, {dest: options dataclass}, function)
+        "check": (
+            "run every layer type end to end (build, save, load, splice) on small random models",
+            _check.__doc__,
+            {"check": CheckCommand},
+            _check,
+        ),
+        "demo": (
+            "the main job: MxD vs TopK transcoder on the default model and text, end to end",
+            _demo.__doc__,
+            {"demo": DemoCommand},
+            _demo,
+        ),
+        "cache": (
+            "write an activation cache (MLP input/output pairs) for later training runs",
+            "Run the model over the training split of --text and store (MLP input, MLP output) for --layers, "
+            "one safetensors shard per block, with each shard's size and checksum. Re-running with the same "
+            "arguments continues an interrupted cache and recomputes shards that are missing or damaged; "
+            "--verify only checks an existing cache.",
+            {"stream": StreamConfig, "cache": CacheCommand},
+            _cache,
+        ),
+        "train": (
+            "train MxD / transcoders / skip transcoders from one activation stream",
+            "Train every combination of --arch x --k x --m x --layers from one stream (a cache, or the model "
+            "live). Checkpoints go to OUT/checkpoints, final SAELens-format weights to OUT/final/NAME. Runs "
+            "under torchrun too. The training options are the fields of mxd_lens.training.TrainConfig; give "
+            "--tokens or --epochs.",
+            {"stream": StreamConfig, "train": TrainCommand, "config": TrainConfig},
+            _train,
+        ),
+    }
+    for name, (summary, description, options, func) in commands.items():
+        command = sub.add_parser(name, help=summary, description=description)
+        for dest, options_class in options.items():
+            command.add_arguments(options_class, dest=dest)
+        command.set_defaults(func=func)
     return parser
 
 

@@ -145,15 +145,11 @@ def write_frontier_cache(
     blocks = config.blocks
     if (cache / MANIFEST).is_file():  # a shared cache may hold more blocks than this study needs
         blocks = sorted(set(blocks) | set(json.loads((cache / MANIFEST).read_text())["stream"]["layers"]))
-    stream = ModelActivations.from_text(
-        model,
-        blocks,
-        config.text,
-        config.context_size,
-        eval_fraction=config.eval_fraction,
-        split_seed=config.split_seed,
-        rows_per_block=config.rows_per_block,
+    stream_config = StreamConfig(
+        text=config.text,
+        **{k: getattr(config, k) for k in ("context_size", "rows_per_block", "eval_fraction", "split_seed")},
     )
+    stream = ModelActivations.from_config(model, blocks, stream_config)
     n_blocks = math.ceil(config.train_tokens / stream.info.tokens_per_block)
     write_cache(
         stream,

@@ -423,29 +423,15 @@ class InductionTrainer(TrainingLoop):
 
 
 def train_induction_model(
-    out_dir: str | Path,
-    steps: int,
-    batch_size: int = InductionTraining.batch_size,
-    lr: float = InductionTraining.lr,
-    seed: int = InductionTraining.seed,
-    plateau: Plateau | None = DEFAULT_PLATEAU,
-    progress: bool = True,
-    task: InductionTask | None = None,
-    eval_every: int = InductionTraining.eval_every,
-    eval_size: int = InductionTraining.eval_size,
-    target_accuracy: float = InductionTraining.target_accuracy,
-    checkpoint_every: int = InductionTraining.checkpoint_every,
-    keep_checkpoints: int = InductionTraining.keep_checkpoints,
+    out_dir: str | Path, steps: int, **settings: Any
 ) -> tuple[HookedTransformer, dict[str, Any]]:
     """Train to ``steps`` (or until eval accuracy >= ``target_accuracy``), resuming from the latest
     checkpoint in ``out_dir`` (with the same settings; only ``target_accuracy`` may change). Writes
-    out_dir/model.pt and out_dir/history.json; returns (model, history). ``plateau=None`` keeps the
-    lr fixed. (``InductionTrainer(...).fit()`` is the same, as an object.)"""
-    trainer = InductionTrainer(
-        out_dir, steps, batch_size, lr, seed, plateau, progress, task, eval_every, eval_size,
-        target_accuracy, checkpoint_every, keep_checkpoints,
-    )  # fmt: skip
-    return trainer.fit(resume=True)
+    out_dir/model.pt and out_dir/history.json; returns (model, history). ``settings`` are
+    ``InductionTrainer``'s keyword arguments (batch_size, lr, seed, plateau, progress, task,
+    eval_every, eval_size, target_accuracy, checkpoint_every, keep_checkpoints; defaults as in
+    ``InductionTraining``); ``plateau=None`` keeps the lr fixed."""
+    return InductionTrainer(out_dir, steps, **settings).fit(resume=True)
 
 
 def _write_history(out_dir: Path, history: dict[str, Any], state: _State) -> None:
