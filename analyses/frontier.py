@@ -1,7 +1,7 @@
 """The sparsity–accuracy frontier on a real model: parameter-matched MxD, TopK transcoder and skip
 transcoder at several K, from one cached activation stream, spliced on held-out text.
 
-    python analyses/frontier.py --layers 15 --ks 16 32 64 --train-tokens 1000000 --out results/frontier
+    python analyses/frontier.py --blocks 15 --ks 16 32 64 --train-tokens 1000000 --out results/frontier
 
 The options are the fields of ``mxd_lens.analysis.frontier.FrontierConfig`` (``--help`` lists them with
 their defaults), plus ``--model`` and ``--out``. Writes OUT/frontier.json (config, command, results),
@@ -22,7 +22,7 @@ from mxd_lens.models import DEFAULT_MODEL, load_model
 
 COLUMNS = [
     "method",
-    "layer",
+    "block",
     "k",
     "seed",
     "params",
@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"cache: {cache} ({n_blocks} blocks)")
         return 0
     rows = run_frontier(model, config, script.out, progress=script.progress)
-    table = pd.DataFrame(rows)[COLUMNS].sort_values(["layer", "k", "method", "seed"])
+    table = pd.DataFrame(rows)[COLUMNS].sort_values(["block", "k", "method", "seed"])
     print(table.to_markdown(index=False, floatfmt=".4f"))
     print(f"\nresults in {script.out}/frontier.json|csv|png")
     return 0

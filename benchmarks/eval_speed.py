@@ -58,7 +58,7 @@ def previous_evaluate():
 @torch.inference_mode()
 def floor(model, named, batches, baselines: bool = True) -> float:
     """The unavoidable work, returned as total CE (so it is computed, not skipped)."""
-    blocks = sorted({hooks.layer_index(layer) for layer in named.values()})
+    blocks = sorted({hooks.block_of(layer) for layer in named.values()})
     names = [f"blocks.{b}.hook_resid_pre" for b in blocks]
     total = 0.0
     for tokens in batches:
@@ -69,7 +69,7 @@ def floor(model, named, batches, baselines: bool = True) -> float:
             F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), target.flatten(), reduction="sum")
         )
         for layer in named.values():
-            block = hooks.layer_index(layer)
+            block = hooks.block_of(layer)
             out = layer.forward_sparse(io[block]["in"])[0]
             with model.hooks(fwd_hooks=[(hooks.mlp_out_hook(block), lambda o, hook, out=out: out)]):
                 logits = model(cache[f"blocks.{block}.hook_resid_pre"], start_at_layer=block)

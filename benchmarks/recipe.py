@@ -6,8 +6,8 @@ Make the cache once (SmolLM2-135M layer 15, Austen + the World English Bible, tr
 128 tokens a row, so 32,768 tokens a block; 20 blocks = 655k tokens, 3 GB in fp32; ~15 min here):
 
     mkdir -p data/train_text && ln -s $PWD/../shared/data/corpus/{jane_austen_novels,bible_web}.txt.xz data/train_text/
-    mxd-lens cache --model smollm2-135m --text data/train_text --layers 15 --context-size 129 \\
-        --rows-per-block 256 --blocks 20 --out data/cache-l15
+    mxd-lens cache --model smollm2-135m --text data/train_text --blocks 15 --context-size 129 \\
+        --rows-per-block 256 --shards 20 --out data/cache-l15
 
 Then
 

@@ -291,7 +291,7 @@ def run(argv: Sequence[str] | None = None) -> dict:
     warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta state")
     torch.manual_seed(args.seed)
     model, model_desc = build_model(args)
-    hooks.check_layer(model, args.layer)
+    hooks.check_block(model, args.layer)
     if not 2 <= args.context_size <= model.cfg.n_ctx:
         raise SystemExit(f"--context-size must be in 2..{model.cfg.n_ctx} for this model")
 

@@ -131,7 +131,7 @@ class ModelActivations:
         if not layers:
             raise ValueError("ModelActivations needs at least one layer")
         for layer in layers:
-            hooks.check_layer(model, layer)
+            hooks.check_block(model, layer)
         if not 2 <= context_size <= model.cfg.n_ctx:
             raise ValueError(
                 f"context_size={context_size} must be in 2..{model.cfg.n_ctx} (the model's n_ctx)"

@@ -40,8 +40,8 @@ class DemoCommand:
     """model name or path"""
     text: str | None = None
     """text source (default: the bundled English text)"""
-    layer: int = 15
-    """block whose MLP to replace"""
+    block: int = field(default=15, metadata={"alias": ["--layer"]})
+    """transformer block whose MLP to replace (--layer: its old name)"""
     k: int = 32
     """active experts / latents per token"""
     width_multiplier: int = FrontierConfig.width_multiplier
@@ -66,13 +66,13 @@ class CacheCommand:
 
     out: str
     """cache folder"""
-    layers: list[int] | None = None
-    """block indices whose MLP to cache (required to write)"""
-    blocks: int | None = None
-    """blocks to write (tokens = blocks x rows-per-block x context; required to write)"""
+    blocks: list[int] | None = field(default=None, metadata={"alias": ["--layers"]})
+    """transformer blocks whose MLP to cache (required to write; --layers: its old name)"""
+    shards: int | None = None
+    """shards to write, each rows-per-block rows (tokens = shards x rows-per-block x context; required to write)"""
     verify: bool = False
     """check every shard of the cache at --out against its recorded checksum and write nothing (exit 1 if
-    damaged; with --blocks, also that it holds that many)"""
+    damaged; with --shards, also that it holds that many)"""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """storage dtype"""
 
@@ -85,8 +85,8 @@ class TrainCommand:
     """output folder"""
     cache: str | None = None
     """activation cache folder from `mxd-lens cache` (no model needed)"""
-    layers: list[int] | None = None
-    """blocks to train (all the cache holds when not given)"""
+    blocks: list[int] | None = field(default=None, metadata={"alias": ["--layers"]})
+    """transformer blocks to train at (all the cache holds when not given; --layers: its old name)"""
     shuffle: Literal["global", "block"] = "global"
     """with --cache: permute all of it every epoch (global), or read it block by block as a live stream"""
     arch: list[str] = field(default_factory=lambda: ["mxd", "transcoder"])
@@ -185,7 +185,7 @@ def _demo(args: argparse.Namespace) -> int:
     model = load_model(args.model)
     config = FrontierConfig(
         text=args.text or str(default_text()),
-        layers=[args.layer],
+        blocks=[args.block],
         ks=[args.k],
         width_multiplier=args.width_multiplier,
         archs=["mxd", "transcoder"],
@@ -200,7 +200,7 @@ def _demo(args: argparse.Namespace) -> int:
     out = args.out or ("results/demo-quick" if quick else "results/demo")
     rows = run_frontier(model, config, out)
     print(
-        f"\n{model.cfg.model_name}, layer {args.layer}: parameter-matched (m = {args.width_multiplier}), "
+        f"\n{model.cfg.model_name}, block {args.block}: parameter-matched (m = {args.width_multiplier}), "
         f"K = {args.k}, {rows[0]['train_tokens']:,} training tokens ({args.epochs:g} epochs), "
         f"{rows[0]['tokens']:,} held-out tokens\n"
     )
@@ -270,36 +270,40 @@ def _cache(args: argparse.Namespace) -> int:
             print(f"mxd-lens cache --verify: {err}")
             return 1
         problems = cache.verify(progress=True)
-        if args.blocks is not None and cache.n_blocks < args.blocks:
-            problems.append(f"{cache.path} holds {cache.n_blocks} of the {args.blocks} blocks asked for")
+        if args.shards is not None and cache.n_blocks < args.shards:
+            problems.append(f"{cache.path} holds {cache.n_blocks} of the {args.shards} shards asked for")
         if problems:
             print(f"{cache.path} is damaged ({len(problems)} problem(s)):")
             for problem in problems:
                 print(f"  {problem}")
             print(REPAIR)
             return 1
-        print(f"{cache.path}: {cache.n_blocks} blocks, {cache.epoch_tokens:,} tokens, every shard intact")
+        print(f"{cache.path}: {cache.n_blocks} shards, {cache.epoch_tokens:,} tokens, every shard intact")
         if cache.unrecorded:
             print(
                 f"  {len(cache.unrecorded)} shard(s) have no recorded checksum, so only that they load was "
                 f"checked; to record them, {REPAIR}"
             )
         return 0
-    if args.layers is None or args.blocks is None:
-        raise SystemExit("mxd-lens cache: --layers and --blocks are required to write a cache")
+    if args.blocks is None or args.shards is None:
+        raise SystemExit(
+            "mxd-lens cache: --blocks (the transformer blocks to cache) and --shards (how many shards of "
+            "--rows-per-block rows to write) are required to write a cache; before the rename, --layers "
+            "named the blocks and --blocks counted the shards"
+        )
     from mxd_lens.models import load_model
 
-    stream = ModelActivations.from_config(load_model(stream_config.model), args.layers, stream_config)
+    stream = ModelActivations.from_config(load_model(stream_config.model), args.blocks, stream_config)
     try:
         path = write_cache(
-            stream, args.out, n_blocks=args.blocks, dtype=args.dtype, text_info=stream.text_info
+            stream, args.out, n_blocks=args.shards, dtype=args.dtype, text_info=stream.text_info
         )
     except CacheLockedError as err:
         raise SystemExit(f"mxd-lens cache: {err}") from None
-    tokens = args.blocks * stream.info.tokens_per_block
+    tokens = args.shards * stream.info.tokens_per_block
     size = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
     print(
-        f"activation cache at {path}: {args.blocks} blocks, {tokens:,} tokens x {len(stream.layers)} layer(s), "
+        f"activation cache at {path}: {args.shards} shards, {tokens:,} tokens x {len(stream.layers)} block(s), "
         f"{size / 2**30:.2f} GiB on disk ({args.dtype})"
     )
     return 0
@@ -318,7 +322,7 @@ def _train(args: argparse.Namespace) -> int:
         dist.init_process_group("nccl" if args.device.startswith("cuda") else "gloo")
     model = None
     if args.cache:
-        source = CachedActivations(args.cache, layers=args.layers, shuffle=args.shuffle)
+        source = CachedActivations(args.cache, layers=args.blocks, shuffle=args.shuffle)
     else:
         if not (stream_config.model and stream_config.text):
             raise SystemExit(
@@ -327,11 +331,11 @@ def _train(args: argparse.Namespace) -> int:
         from mxd_lens.models import load_model
 
         model = load_model(stream_config.model)
-        source = ModelActivations.from_config(model, args.layers, stream_config)
-    layers = args.layers or source.info.layers
+        source = ModelActivations.from_config(model, args.blocks, stream_config)
+    blocks = args.blocks or source.info.layers
     specs = [
-        LearnerSpec(arch, layer, k, m, init=args.init if arch == "mxd" else "default")
-        for layer in layers
+        LearnerSpec(arch, block, k, m, init=args.init if arch == "mxd" else "default")
+        for block in blocks
         for arch in args.arch
         for k in args.k
         for m in args.width_multiplier
@@ -421,8 +425,8 @@ def build_parser() -> argparse.ArgumentParser:
         ),
         "cache": (
             "write an activation cache (MLP input/output pairs) for later training runs",
-            "Run the model over the training split of --text and store (MLP input, MLP output) for --layers, "
-            "one safetensors shard per block, with each shard's size and checksum. Re-running with the same "
+            "Run the model over the training split of --text and store (MLP input, MLP output) for --blocks, "
+            "in --shards safetensors shards, with each shard's size and checksum. Re-running with the same "
             "arguments continues an interrupted cache and recomputes shards that are missing or damaged; "
             "--verify only checks an existing cache.",
             {"stream": StreamConfig, "cache": CacheCommand},
@@ -430,7 +434,7 @@ def build_parser() -> argparse.ArgumentParser:
         ),
         "train": (
             "train MxD / transcoders / skip transcoders from one activation stream",
-            "Train every combination of --arch x --k x --m x --layers from one stream (a cache, or the model "
+            "Train every combination of --arch x --k x --width-multiplier x --blocks from one stream (a cache, or the model "
             "live). Checkpoints go to OUT/checkpoints, final SAELens-format weights to OUT/final/NAME. Runs "
             "under torchrun too. The training options are the fields of mxd_lens.training.TrainConfig; give "
             "--tokens or --epochs.",

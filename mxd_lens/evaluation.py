@@ -61,7 +61,7 @@ def evaluate(
     named = dict(layers) if isinstance(layers, Mapping) else {_default_name(layer): layer for layer in layers}
     if not named:
         raise ValueError("evaluate needs at least one layer")
-    index = {name: hooks.layer_index(layer) for name, layer in named.items()}
+    index = {name: hooks.block_of(layer) for name, layer in named.items()}
     for name, layer in named.items():
         hooks.check_fits(model, layer, index[name])
     if together and len(set(index.values())) != len(index):
@@ -170,7 +170,7 @@ def _row(name, layer, block, sums, n_pred, ce_clean, label, blocks, baselines, n
     row: dict[str, Any] = {
         "name": name,
         "architecture": layer.cfg.architecture() if layer is not None else "+".join(names or []),
-        "layer": block if block is not None else ",".join(map(str, blocks)),
+        "block": block if block is not None else ",".join(map(str, blocks)),
         "k": layer.cfg.k if layer is not None else None,
         "d_sae": layer.cfg.d_sae if layer is not None else None,
         "params": sum(p.numel() for p in layer.parameters()) if layer is not None else None,
@@ -220,7 +220,7 @@ def _add(sums: dict[str, float], key: str, value: float) -> None:
 
 
 def _default_name(layer: MLPReplacement) -> str:
-    return f"L{hooks.layer_index(layer)}.{layer.cfg.architecture().removeprefix('mxd_lens.')}.k{layer.cfg.k}"
+    return f"L{hooks.block_of(layer)}.{layer.cfg.architecture().removeprefix('mxd_lens.')}.k{layer.cfg.k}"
 
 
 def check_disjoint(train_info: Mapping[str, Any] | None, eval_info: Mapping[str, Any]) -> None:

@@ -32,39 +32,42 @@ _OUT_HOOK = re.compile(r"^blocks\.(\d+)\.hook_mlp_out$")
 _SPLICED: weakref.WeakKeyDictionary[Any, dict[int, Any]] = weakref.WeakKeyDictionary()
 
 
-def mlp_in_hook(layer: int) -> str:
-    return f"blocks.{layer}.mlp.hook_in"
+def mlp_in_hook(block: int) -> str:
+    return f"blocks.{block}.mlp.hook_in"
 
 
-def mlp_out_hook(layer: int) -> str:
-    return f"blocks.{layer}.hook_mlp_out"
+def mlp_out_hook(block: int) -> str:
+    return f"blocks.{block}.hook_mlp_out"
 
 
-def check_layer(model: HookedTransformer, layer: int) -> None:
-    """Raise a clear error unless block ``layer`` of ``model`` exists and has an MLP."""
+def check_block(model: HookedTransformer, block: int) -> None:
+    """Raise a clear error unless block ``block`` of ``model`` exists and has an MLP."""
     n_layers = model.cfg.n_layers
-    if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < n_layers:
+    if isinstance(block, bool) or not isinstance(block, int) or not 0 <= block < n_layers:
         raise ValueError(
-            f"layer {layer!r} does not exist: {model.cfg.model_name} has layers 0..{n_layers - 1}"
+            f"block {block!r} does not exist: {model.cfg.model_name} has blocks 0..{n_layers - 1}"
         )
-    if model.cfg.attn_only or not hasattr(model.blocks[layer], "mlp"):
-        raise ValueError(f"{model.cfg.model_name} is attention-only: block {layer} has no MLP to replace")
+    if model.cfg.attn_only or not hasattr(model.blocks[block], "mlp"):
+        raise ValueError(f"{model.cfg.model_name} is attention-only: block {block} has no MLP to replace")
 
 
-def mlp_module(model: HookedTransformer, layer: int) -> nn.Module:
-    check_layer(model, layer)
-    return model.blocks[layer].mlp
+check_layer = check_block  # the name before "block" meant indices everywhere
 
 
-def dense_mlp(model: HookedTransformer, layer: int) -> nn.Module:
-    """Block ``layer``'s MLP when ``hook_mlp_out`` is exactly ``W_out act(...) + b_out`` of a plain
+def mlp_module(model: HookedTransformer, block: int) -> nn.Module:
+    check_block(model, block)
+    return model.blocks[block].mlp
+
+
+def dense_mlp(model: HookedTransformer, block: int) -> nn.Module:
+    """Block ``block``'s MLP when ``hook_mlp_out`` is exactly ``W_out act(...) + b_out`` of a plain
     or gated MLP (what ``MxD.from_mlp`` can copy); a clear error otherwise."""
     from transformer_lens.components import MLP, GatedMLP
 
-    mlp = mlp_module(model, layer)
+    mlp = mlp_module(model, block)
     if not isinstance(mlp, (MLP, GatedMLP)):
         raise ValueError(
-            f"block {layer}'s MLP is a {type(mlp).__name__}; only MLP and GatedMLP can be copied"
+            f"block {block}'s MLP is a {type(mlp).__name__}; only MLP and GatedMLP can be copied"
         )
     if model.cfg.use_normalization_before_and_after or model.cfg.original_architecture in (
         "Olmo2ForCausalLM",
@@ -79,37 +82,40 @@ def dense_mlp(model: HookedTransformer, layer: int) -> nn.Module:
     return mlp
 
 
-def layer_metadata(model: HookedTransformer, layer: int) -> SAEMetadata:
-    """SAELens metadata for a layer that replaces block ``layer``'s MLP of ``model``."""
+def layer_metadata(model: HookedTransformer, block: int) -> SAEMetadata:
+    """SAELens metadata for a layer that replaces block ``block``'s MLP of ``model``."""
     from sae_lens.saes.sae import SAEMetadata
 
-    check_layer(model, layer)
+    check_block(model, block)
     return SAEMetadata(
         model_name=model.cfg.model_name,
         model_class_name=type(model).__name__,
-        hook_name=mlp_in_hook(layer),
-        hook_name_out=mlp_out_hook(layer),
-        hook_layer=layer,
+        hook_name=mlp_in_hook(block),
+        hook_name_out=mlp_out_hook(block),
+        hook_layer=block,
     )
 
 
-def layer_index(layer: MLPReplacement[Any]) -> int:
+def block_of(layer: MLPReplacement[Any]) -> int:
     """Which block a layer replaces, read from ``cfg.metadata.hook_name_out``."""
     hook = layer.cfg.metadata.hook_name_out
     match = _OUT_HOOK.match(hook or "")
     if match is None:
         raise ValueError(
             f"{type(layer).__name__} has metadata.hook_name_out={hook!r}, not 'blocks.L.hook_mlp_out': "
-            "build it with .for_model(model, layer, ...) / MxD.from_mlp, or set "
-            "layer.cfg.metadata = mxd_lens.hooks.layer_metadata(model, layer)"
+            "build it with .for_model(model, block, ...) / MxD.from_mlp, or set "
+            "layer.cfg.metadata = mxd_lens.hooks.layer_metadata(model, block)"
         )
     return int(match.group(1))
+
+
+layer_index = block_of  # the name before "block" meant indices everywhere
 
 
 def check_fits(model: HookedTransformer, layer: MLPReplacement[Any], index: int) -> None:
     """Raise unless ``layer`` was made for block ``index`` of a model like ``model``: same widths, and
     the same ``model_name`` when the layer records one."""
-    check_layer(model, index)
+    check_block(model, index)
     trained_on = layer.cfg.metadata.model_name
     if trained_on and trained_on != model.cfg.model_name:
         raise ValueError(
@@ -169,7 +175,7 @@ def splice(
     """
     placed: dict[int, MLPReplacement[Any]] = {}
     for layer in layers:
-        index = layer_index(layer)
+        index = block_of(layer)
         if index in placed or index in _SPLICED.get(model, {}):
             raise ValueError(f"two layers target block {index}'s MLP; splice at most one per block")
         check_fits(model, layer, index)

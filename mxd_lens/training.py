@@ -66,7 +66,7 @@ class LearnerSpec:
     the number of units (experts / latents) directly."""
 
     arch: str  # a key of mxd_lens.ARCHITECTURES (the built-in ones, or one registered)
-    layer: int
+    block: int  # the transformer block whose MLP it replaces
     k: int
     width_multiplier: int = 8
     init: Literal["default", "mlp", "given"] = "default"  # "mlp": MxD's E, b_E, D from the host MLP;
@@ -85,7 +85,12 @@ class LearnerSpec:
     def name(self) -> str:
         init = "" if self.init == "default" else f".init-{self.init}"
         size = f"n{self.d_sae}" if self.d_sae is not None else f"m{self.width_multiplier}"
-        return f"L{self.layer}.{self.arch}.k{self.k}.{size}{init}"
+        return f"L{self.block}.{self.arch}.k{self.k}.{size}{init}"
+
+    @property
+    def layer(self) -> int:
+        """The block index under its old name (``block`` now; ``layer`` means a layer object)."""
+        return self.block
 
     @classmethod
     def of(cls, layer: MLPReplacement) -> LearnerSpec:
@@ -93,7 +98,7 @@ class LearnerSpec:
         from mxd_lens import hooks
 
         key = architecture_key(layer)
-        return cls(key, hooks.layer_index(layer), layer.cfg.k, init="given", d_sae=layer.cfg.d_sae)
+        return cls(key, hooks.block_of(layer), layer.cfg.k, init="given", d_sae=layer.cfg.d_sae)
 
     @property
     def normalizes_decoder(self) -> bool:
@@ -237,10 +242,10 @@ def build_layer(
     """A fresh layer for ``spec`` on the stream ``info`` describes, initialised from ``seed``."""
     from sae_lens.saes.sae import SAEMetadata
 
-    if spec.layer not in info.layers:
-        raise ValueError(f"{spec.name}: the stream holds layers {info.layers}, not {spec.layer}")
+    if spec.block not in info.layers:
+        raise ValueError(f"{spec.name}: the stream holds blocks {info.layers}, not {spec.block}")
     width = spec.width_multiplier * info.d_in
-    hook_in, hook_out = info.hook_names[str(spec.layer)]
+    hook_in, hook_out = info.hook_names[str(spec.block)]
     common = dict(
         d_in=info.d_in,
         d_out=info.d_out,
@@ -248,7 +253,7 @@ def build_layer(
         dtype=dtype,
         device=device,
         metadata=SAEMetadata(
-            model_name=info.model_name, hook_name=hook_in, hook_name_out=hook_out, hook_layer=spec.layer
+            model_name=info.model_name, hook_name=hook_in, hook_name_out=hook_out, hook_layer=spec.block
         ),
     )
     torch.manual_seed(seed)
@@ -333,7 +338,7 @@ class Trainer(TrainingLoop):
             if spec.init == "mlp":
                 if model is None:
                     raise ValueError(f"{spec.name}: init='mlp' needs the model")
-                layer.copy_hidden_from_mlp(model, spec.layer)  # rescaled once the scales are known
+                layer.copy_hidden_from_mlp(model, spec.block)  # rescaled once the scales are known
             # The fused Adam kernel is ~5x faster on CPU for tens of millions of parameters.
             optimizer = torch.optim.Adam(layer.parameters(), lr=self.lr_at(0), betas=config.betas, fused=True)
             self.learners[spec.name] = _Learner(
@@ -341,8 +346,8 @@ class Trainer(TrainingLoop):
             )
         self.step = 0
         self.tokens_seen = 0
-        self.scales: dict[int, tuple[float, float]] = {}  # layer -> (input scale, output scale)
-        self.loss_scale: dict[int, float] = {}  # layer -> per-token variance of the (scaled) target
+        self.scales: dict[int, tuple[float, float]] = {}  # block -> (input scale, output scale)
+        self.loss_scale: dict[int, float] = {}  # block -> per-token variance of the (scaled) target
         self._wandb_run: Any = None
 
     def lr_at(self, step: int) -> float:
@@ -393,8 +398,8 @@ class Trainer(TrainingLoop):
         hi = (self.rank + 1) * self.config.batch_tokens // self.world
         last = {}
         for name, learner in self.learners.items():
-            x, y = batch[learner.spec.layer]
-            s_in, s_out = self.scales[learner.spec.layer]
+            x, y = batch[learner.spec.block]
+            s_in, s_out = self.scales[learner.spec.block]
             x, y = x[lo:hi].to(self.device), y[lo:hi].to(self.device)
             last[name] = self._train_step(learner, x * s_in, y * s_out)
         self.tokens_seen += self.config.batch_tokens
@@ -474,9 +479,9 @@ class Trainer(TrainingLoop):
         with torch.no_grad():
             for learner in self.learners.values():
                 if learner.spec.init == "given":  # built at raw scale: the same map on scaled activations
-                    learner.layer.fold_activation_scales(*(1 / s for s in self.scales[learner.spec.layer]))
+                    learner.layer.fold_activation_scales(*(1 / s for s in self.scales[learner.spec.block]))
                 if learner.spec.init == "mlp":  # the host MLP reads raw x: on scaled x, E / s_in, D * s_out
-                    s_in, s_out = self.scales[learner.spec.layer]
+                    s_in, s_out = self.scales[learner.spec.block]
                     learner.layer.W_in.div_(s_in)
                     if learner.layer.cfg.hidden_form == "glu":
                         learner.layer.W_in_gate.div_(s_in)
@@ -484,7 +489,7 @@ class Trainer(TrainingLoop):
         if cfg.init_b_dec == "target_mean":
             with torch.no_grad():
                 for learner in self.learners.values():
-                    L = learner.spec.layer
+                    L = learner.spec.block
                     mean = torch.cat([b[L][1] for b in head]).double().mean(0) * self.scales[L][1]
                     learner.layer.b_dec.copy_(mean.to(learner.layer.b_dec))
         return _chain(head, stream)
@@ -495,7 +500,7 @@ class Trainer(TrainingLoop):
         out = layer.training_forward_pass(
             x,
             y,
-            loss_scale=self.loss_scale[learner.spec.layer],
+            loss_scale=self.loss_scale[learner.spec.block],
             objective=cfg.objective,
             dead_mask=dead,
             k_aux=self.k_aux,
@@ -530,7 +535,7 @@ class Trainer(TrainingLoop):
         layers = {}
         for name, learner in self.learners.items():
             layer = copy.deepcopy(learner.layer)
-            s_in, s_out = self.scales.get(learner.spec.layer, (1.0, 1.0))
+            s_in, s_out = self.scales.get(learner.spec.block, (1.0, 1.0))
             layer.fold_activation_scales(s_in, s_out)
             history = learner.history[-1] if learner.history else {}
             layer.cfg.metadata.training = {
@@ -556,6 +561,13 @@ class Trainer(TrainingLoop):
             "config": asdict(self.config),
             "data": self.data_identity(),
         }
+
+    def read_identity(self, folder: Path) -> dict[str, Any]:
+        saved = super().read_identity(folder)
+        for spec in (saved.get("learners") or {}).values():  # written before LearnerSpec.layer became block
+            if "layer" in spec and "block" not in spec:
+                spec["block"] = spec.pop("layer")
+        return saved
 
     def write_state(self, folder: Path) -> None:
         folded = self.trained_layers()
@@ -659,8 +671,8 @@ class Trainer(TrainingLoop):
 
 def _check_given(layer: MLPReplacement, spec: LearnerSpec, info: StreamInfo) -> None:
     """A caller's layer must fit the stream: its block, widths and model."""
-    if spec.layer not in info.layers:
-        raise ValueError(f"{spec.name}: the stream holds layers {info.layers}, not {spec.layer}")
+    if spec.block not in info.layers:
+        raise ValueError(f"{spec.name}: the stream holds blocks {info.layers}, not {spec.block}")
     if (layer.cfg.d_in, layer.cfg.d_out) != (info.d_in, info.d_out):
         raise ValueError(
             f"{spec.name}: the layer maps {layer.cfg.d_in} -> {layer.cfg.d_out}, the stream {info.d_in} -> {info.d_out}"

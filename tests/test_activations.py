@@ -418,9 +418,9 @@ def test_cli_verify_reports_a_damaged_cache_and_writes_nothing(caches, capsys):
 
     _, _, path = caches
     assert main(["cache", "--verify", "--out", str(path)]) == 0
-    assert "4 blocks, 352 tokens, every shard intact" in capsys.readouterr().out
-    assert main(["cache", "--verify", "--blocks", "6", "--out", str(path)]) == 1
-    assert "holds 4 of the 6 blocks asked for" in capsys.readouterr().out
+    assert "4 shards, 352 tokens, every shard intact" in capsys.readouterr().out
+    assert main(["cache", "--verify", "--shards", "6", "--out", str(path)]) == 1
+    assert "holds 4 of the 6 shards asked for" in capsys.readouterr().out
     shard = path / "block_000002.safetensors"
     data = bytearray(shard.read_bytes())
     data[-4096:] = bytes(4096)
@@ -433,5 +433,5 @@ def test_cli_verify_reports_a_damaged_cache_and_writes_nothing(caches, capsys):
     shard.unlink()
     assert main(["cache", "--verify", "--out", str(path)]) == 1
     assert "block_000002.safetensors is missing" in capsys.readouterr().out
-    with pytest.raises(SystemExit, match="--layers and --blocks are required"):
+    with pytest.raises(SystemExit, match="--blocks .* and --shards .* are required"):
         main(["cache", "--out", str(path)])

@@ -30,7 +30,7 @@ def text_model(tmp_path, monkeypatch):
 
 def test_cache_then_train_from_it_equals_training_live(tmp_path, text_model, capsys):
     stream = ["--model", "tiny", "--text", str(text_model), "--context-size", "12", "--rows-per-block", "16"]
-    assert main(["cache", *stream, "--layers", "1", "--blocks", "4", "--out", str(tmp_path / "cache")]) == 0
+    assert main(["cache", *stream, "--blocks", "1", "--shards", "4", "--out", str(tmp_path / "cache")]) == 0
     learn = [
         "--arch",
         "mxd",
@@ -46,7 +46,7 @@ def test_cache_then_train_from_it_equals_training_live(tmp_path, text_model, cap
     ]
     cached = ["train", "--cache", str(tmp_path / "cache"), "--shuffle", "block"]
     assert main([*cached, *learn, "--out", str(tmp_path / "a")]) == 0
-    assert main(["train", *stream, "--layers", "1", *learn, "--out", str(tmp_path / "b")]) == 0
+    assert main(["train", *stream, "--blocks", "1", *learn, "--out", str(tmp_path / "b")]) == 0
     out = capsys.readouterr().out
     names = sorted(p.name for p in (tmp_path / "a" / "final").iterdir() if p.is_dir())
     assert names == ["L1.mxd.k2.m8", "L1.mxd.k4.m8", "L1.skip_transcoder.k2.m8", "L1.skip_transcoder.k4.m8"]
@@ -105,7 +105,7 @@ def test_help_explains_every_option():
 
 
 def test_demo_runs_end_to_end(tmp_path, text_model, capsys):
-    args = ["demo", "--quick", "--model", "tiny", "--text", str(text_model), "--layer", "1", "--k", "2"]
+    args = ["demo", "--quick", "--model", "tiny", "--text", str(text_model), "--block", "1", "--k", "2"]
     args += ["--context-size", "12", "--batch-tokens", "64", "--train-tokens", "640", "--eval-tokens", "120"]
     assert main([*args, "--out", str(tmp_path / "demo")]) == 0
     out = capsys.readouterr().out

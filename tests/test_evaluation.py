@@ -82,7 +82,7 @@ def test_numbers_match_direct_computation(kind):
     assert row["ce_recovered_zero"] == pytest.approx((zero - spliced) / (zero - clean), rel=1e-4)
     assert rows["together"]["ce_spliced"] == pytest.approx(both, rel=1e-5)
     assert rows["tc"]["ce_spliced"] == pytest.approx(tc_alone, rel=1e-5)  # run from its own block
-    assert rows["tc"]["layer"] == 2 and rows["together"]["layer"] == "1,2"
+    assert rows["tc"]["block"] == 2 and rows["together"]["block"] == "1,2"
 
     # FVU and L0 from the captured MLP input and output of every token.
     with mxd_lens.capture_mlp_io(model, [1]) as io:

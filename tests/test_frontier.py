@@ -18,7 +18,7 @@ def test_frontier_trains_evaluates_and_writes_everything(tmp_path):
     model, corpus = make_text_model(tmp_path)
     config = FrontierConfig(
         text=str(corpus),
-        layers=[1],
+        blocks=[1],
         ks=[2, 4],
         width_multiplier=8,
         train_tokens=64 * 12,
@@ -71,13 +71,13 @@ def test_frontier_grid_seeds_and_other_eval_text(tmp_path):
         rows_per_block=16,
         eval_fraction=0.1,
     )
-    assert config.learners() == [(1, 2, 0), (1, 2, 1), (0, 2, 0)] and config.blocks == [0, 1]
+    assert config.learners() == [(1, 2, 0), (1, 2, 1), (0, 2, 0)] and config.all_blocks == [0, 1]
     rows = run_frontier(model, config, tmp_path / "out", progress=False)
-    assert sorted((r["layer"], r["seed"], r["method"]) for r in rows) == [
+    assert sorted((r["block"], r["seed"], r["method"]) for r in rows) == [
         (0, 0, "MxD"), (0, 0, "Transcoder"), (1, 0, "MxD"), (1, 0, "Transcoder"),
         (1, 1, "MxD"), (1, 1, "Transcoder"),
     ]  # fmt: skip
-    by = {(r["layer"], r["seed"], r["method"]): r for r in rows}
+    by = {(r["block"], r["seed"], r["method"]): r for r in rows}
     a = SAE.load_from_disk(by[(1, 0, "MxD")]["weights"])
     b = SAE.load_from_disk(by[(1, 1, "MxD")]["weights"])
     assert "L1.seed1" in by[(1, 1, "MxD")]["weights"] and not torch.equal(a.W_enc, b.W_enc)

@@ -125,9 +125,9 @@ def test_several_layers_at_once_equal_sequential_manual_replacement(tokens):
 
 def test_bad_layers_and_models_are_refused(tokens):
     model = make_model("gpt2")
-    with pytest.raises(ValueError, match="layer 3 does not exist.*0..2"):
+    with pytest.raises(ValueError, match="block 3 does not exist.*blocks 0..2"):
         MxD.from_mlp(model, 3)
-    with pytest.raises(ValueError, match="layer -1 does not exist"):
+    with pytest.raises(ValueError, match="block -1 does not exist"):
         TopKTranscoder.for_model(model, -1, d_sae=8, k=2)
     wide = TopKTranscoder.for_model(model, 0, d_sae=8, k=2)
     wide.cfg.d_in = wide.cfg.d_out = 32
@@ -145,7 +145,7 @@ def test_bad_layers_and_models_are_refused(tokens):
     attn_only = make_model("gpt2")
     attn_only.cfg.attn_only = True
     with pytest.raises(ValueError, match="attention-only"):
-        hooks.check_layer(attn_only, 0)
+        hooks.check_block(attn_only, 0)
 
 
 def test_metadata_names_the_hooks():

@@ -65,7 +65,7 @@ def test_streaming_top_n_equals_brute_force(kind, arch, n, skip_bos):
     window = rows[first["row"]][max(0, first["position"] - 8) : first["position"] + 5]
     assert (first["left"] + first["token"] + first["right"]).split() == [str(t) for t in window]
     assert (df["position"] == 0).any() != skip_bos
-    assert df.attrs == {"features": features, "layer": 1, "tokens": 10 * 12 - 2 * 5 - (10 if skip_bos else 0)}
+    assert df.attrs == {"features": features, "block": 1, "tokens": 10 * 12 - 2 * 5 - (10 if skip_bos else 0)}
 
 
 def test_equal_activations_rank_by_first_occurrence():
@@ -173,5 +173,5 @@ def test_clear_errors():
         top_activations(model, other, batches, [3], progress=False)
     other.cfg.metadata.model_name = None
     other.cfg.metadata.hook_name_out = "blocks.7.hook_mlp_out"
-    with pytest.raises(ValueError, match="layer 7 does not exist"):
+    with pytest.raises(ValueError, match="block 7 does not exist"):
         top_activations(model, other, batches, [3], progress=False)

@@ -135,6 +135,28 @@ def test_resume_with_other_settings_is_refused(tmp_path):
         Trainer(SPECS[1:2], source(), config(), tmp_path, progress=False).fit(resume=True)
 
 
+def test_block_index_under_its_old_name_still_works(tmp_path, monkeypatch):
+    """``layer`` meant a block index before the rename: for_model(layer=), LearnerSpec.layer and a
+    checkpoint whose learners record "layer" still work, the first with a DeprecationWarning."""
+    from mxd_lens.layers import MxD
+
+    model = make_model("gpt2")
+    with pytest.warns(DeprecationWarning, match="layer= is now block="):
+        old = MxD.for_model(model, layer=1, d_sae=8, k=2)
+    assert old.cfg.metadata.hook_name_out == MxD.for_model(model, 1, d_sae=8, k=2).cfg.metadata.hook_name_out
+    assert SPECS[0].layer == SPECS[0].block == 1
+    whole = Trainer(SPECS[:1], source(), config(), tmp_path / "whole", progress=False)
+    whole.fit()
+    crash_at(Trainer(SPECS[:1], source(), config(), tmp_path / "old", progress=False), 17, monkeypatch)
+    state_file = tmp_path / "old/checkpoints/step_000000010/trainer_state.json"
+    state = json.loads(state_file.read_text())
+    for spec in state["learners"].values():
+        spec["layer"] = spec.pop("block")
+    state_file.write_text(json.dumps(state))
+    Trainer(SPECS[:1], source(), config(), tmp_path / "old", progress=False).fit(resume=True)
+    assert_identical(final_weights(tmp_path / "whole"), final_weights(tmp_path / "old"))
+
+
 def test_nan_loss_stops_and_names_the_last_good_checkpoint(tmp_path, monkeypatch):
     trainer = Trainer(SPECS[:1], source(), config(), tmp_path, progress=False)
     real_step = Trainer._train_step
@@ -202,7 +224,7 @@ def test_bad_configs_are_refused():
         LearnerSpec("sae", 0, 4)
     with pytest.raises(ValueError, match="init='mlp'"):
         LearnerSpec("transcoder", 0, 4, init="mlp")
-    with pytest.raises(ValueError, match="holds layers \\[1, 2\\], not 0"):
+    with pytest.raises(ValueError, match="holds blocks \\[1, 2\\], not 0"):
         Trainer([LearnerSpec("mxd", 0, 4)], source(), config(), "unused", progress=False)
     with pytest.raises(ValueError, match="ran out after"):
         Trainer(

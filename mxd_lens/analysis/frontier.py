@@ -7,7 +7,7 @@ seeds), ``frontier.json`` (config, command, one record per layer), ``frontier.cs
 ``frontier.png`` (ΔCE and FVU against K, one panel per block, one line per method, error bars over
 seeds, as in the paper).
 
-What is trained is a grid: ``layers`` × ``ks`` × ``archs`` at ``seed``, plus any ``grid`` entries
+What is trained is a grid: ``blocks`` × ``ks`` × ``archs`` at ``seed``, plus any ``grid`` entries
 ``"BLOCK:K,K,...[@SEED,SEED,...]"`` (e.g. ``"25:32"``, ``"15:32@1"``). The learners of one (block,
 seed) train together from one stream (one Trainer) and are evaluated together as soon as they finish
 (one clean forward and one set of ablation baselines per group, on the same held-out batches for all
@@ -44,7 +44,8 @@ class FrontierConfig:
     held-out tokens from its 'eval' side (never the same documents) or from ``eval_text``."""
 
     text: str | None = None  # training text: a file, folder or dataset (default: the bundled English text)
-    layers: list[int] = field(default_factory=list)  # blocks whose MLP to replace, each at every K in ks
+    blocks: list[int] = field(default_factory=list, metadata={"alias": ["--layers"]})
+    """transformer blocks whose MLP to replace, each at every K in ks (--layers: its old name)"""
     ks: list[int] = field(default_factory=lambda: [16, 32, 64])  # active units per token
     grid: list[str] = field(default_factory=list)  # more points: "BLOCK:K,K[@SEED,SEED]", e.g. 25:32 15:32@1
     eval_text: str | None = None  # held-out text (default: the 'eval' side of text's split)
@@ -71,11 +72,11 @@ class FrontierConfig:
         for arch in self.archs:
             get_architecture(arch)  # a clear error for an unknown key
         if not self.learners():
-            raise ValueError("give at least one layer and one K (layers and ks, or grid)")
+            raise ValueError("give at least one block and one K (blocks and ks, or grid)")
 
     def learners(self) -> list[tuple[int, int, int]]:
         """(block, K, seed) for every point of the grid, in order, without repeats."""
-        points = [(layer, k, self.seed) for layer in self.layers for k in self.ks]
+        points = [(block, k, self.seed) for block in self.blocks for k in self.ks]
         for entry in self.grid:
             block, sep, rest = entry.partition(":")
             ks, _, seeds = rest.partition("@")
@@ -93,7 +94,8 @@ class FrontierConfig:
         return list(dict.fromkeys(points))
 
     @property
-    def blocks(self) -> list[int]:
+    def all_blocks(self) -> list[int]:
+        """Every block the study trains at (from ``blocks`` and ``grid``)."""
         return sorted({block for block, _, _ in self.learners()})
 
     @property
@@ -142,7 +144,7 @@ def write_frontier_cache(
     """Write (or check, repair, extend) the study's activation cache; (folder, text info, blocks)."""
     out = Path(out)
     cache = Path(config.cache) if config.cache else out / "cache"
-    blocks = config.blocks
+    blocks = config.all_blocks
     if (cache / MANIFEST).is_file():  # a shared cache may hold more blocks than this study needs
         blocks = sorted(set(blocks) | set(json.loads((cache / MANIFEST).read_text())["stream"]["layers"]))
     stream_config = StreamConfig(
@@ -197,7 +199,10 @@ def run_frontier(
         folder = out / "runs" / f"L{block}.seed{seed}"
         evaluated = folder / "eval.json"
         if evaluated.is_file() and (record := json.loads(evaluated.read_text()))["key"] == eval_key:
-            rows_out += record["rows"]
+            # rows written before the block index's column was renamed from "layer"
+            rows_out += [
+                {("block" if k == "layer" else k): v for k, v in row.items()} for row in record["rows"]
+            ]
             write_results(rows_out, config, out)
             continue
         source = CachedActivations(
@@ -254,12 +259,12 @@ def plot_frontier(table: Any, path: Path | None = None) -> Any:
     with error bars (min to max) where there are several. Returns the Figure (saved to ``path`` if given)."""
     from matplotlib.figure import Figure
 
-    blocks = sorted(table["layer"].unique())
+    blocks = sorted(table["block"].unique())
     fig = Figure(figsize=(4.2 * len(blocks) + 1, 7), layout="constrained")
     axes = fig.subplots(2, len(blocks), squeeze=False)
     ks = sorted(table["k"].unique())
     for col, block in enumerate(blocks):
-        for method, group in table[table["layer"] == block].groupby("method"):
+        for method, group in table[table["block"] == block].groupby("method"):
             for row, column in enumerate(("delta_ce", "fvu")):
                 stats = group.groupby("k")[column].agg(["mean", "min", "max"]).sort_index()
                 err = [stats["mean"] - stats["min"], stats["max"] - stats["mean"]]

@@ -55,7 +55,7 @@ def top_activations(
     shows as context. Without a tokenizer, token ids stand in for text.
     ``df.attrs`` records the features asked, the block and the number of tokens ranked.
     """
-    index = hooks.layer_index(layer)
+    index = hooks.block_of(layer)
     hooks.check_fits(model, layer, index)
     d_sae = layer.cfg.d_sae
     asked = _check_features(features, d_sae, index)
@@ -94,7 +94,7 @@ def top_activations(
         raise ValueError("token_batches yielded no batch: give at least one [batch, pos] tensor of token ids")
 
     df = top.table(asked, n_left, getattr(model, "tokenizer", None))
-    df.attrs.update(features=asked, layer=index, tokens=n_ranked)
+    df.attrs.update(features=asked, block=index, tokens=n_ranked)
     return df
 
 
@@ -257,8 +257,8 @@ def to_html(df: pd.DataFrame, title: str, path: str | Path | None = None) -> str
     present = list(dict.fromkeys(df["feature"].tolist()))
     features = list(dict.fromkeys([*df.attrs.get("features", []), *present]))
     meta = []
-    if "layer" in df.attrs:
-        meta.append(f"block {df.attrs['layer']}")
+    if "block" in df.attrs:
+        meta.append(f"block {df.attrs['block']}")
     if "tokens" in df.attrs:
         meta.append(f"{df.attrs['tokens']:,} tokens ranked")
     silent = [f for f in features if f not in present]

@@ -85,7 +85,7 @@ def pooled_activations(
     given order."""
     blocks: dict[str, int] = {}
     for name, layer in layers.items():
-        index = hooks.layer_index(layer)
+        index = hooks.block_of(layer)
         hooks.check_fits(model, layer, index)
         blocks[name] = index
     needed = sorted(set(blocks.values()) | set(dense_layers))
@@ -297,7 +297,7 @@ def run_probing(
     import pandas as pd
 
     if dense_layers is None:
-        dense_layers = sorted({hooks.layer_index(layer) for layer in layers.values()})
+        dense_layers = sorted({hooks.block_of(layer) for layer in layers.values()})
     for name, layer in layers.items():
         for k in ks:
             if not 1 <= k <= layer.cfg.d_sae:

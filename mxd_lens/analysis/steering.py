@@ -68,7 +68,7 @@ def steer(
         raise IndexError(
             f"features {bad} out of range: this layer has {layer.cfg.d_sae} (0..{layer.cfg.d_sae - 1})"
         )
-    index = hooks.layer_index(layer)
+    index = hooks.block_of(layer)
     attached = any(sae is layer for sae in getattr(model, "acts_to_saes", {}).values())  # add_sae
     if hooks.spliced_layers(model).get(index) is not layer and not attached:
         raise ValueError(
@@ -337,7 +337,7 @@ def steering_targets(
     unknown = [t for t in study.tasks if t not in known]
     if unknown:
         raise ValueError(f"unknown tasks {unknown}; offline tasks: {known}")
-    blocks = sorted({hooks.layer_index(layer) for layer in layers.values()})
+    blocks = sorted({hooks.block_of(layer) for layer in layers.values()})
     # pooled MLP inputs of every suite text (cached by sparse probing): the concept probes' negatives
     dense_all = {
         name: store.get(model, s.load(study.data), {}, blocks, study.context_size) for name, s in sets.items()
@@ -359,7 +359,7 @@ def steering_targets(
                 "%s: concept probe (vs all other suite texts) test accuracy %.3f", task, concept[block][1]
             )
         for name, layer in layers.items():
-            block = hooks.layer_index(layer)
+            block = hooks.block_of(layer)
             chosen = probing.probe_task(pooled[name].numpy(), y, parts, k=1)
             feature = chosen["features"][0]
             rows = (

@@ -109,18 +109,19 @@ class MLPReplacement(SAE[C]):
         self._stash: _Stash | None = None
 
     @classmethod
-    def for_model(cls, model: Any, layer: int, **cfg_fields: Any):
-        """A fresh layer sized for block ``layer``'s MLP of a HookedTransformer, with its hook
+    def for_model(cls, model: Any, block: int | None = None, **cfg_fields: Any):
+        """A fresh layer sized for block ``block``'s MLP of a HookedTransformer, with its hook
         metadata set; ``cfg_fields`` are the remaining config fields (``d_sae``, ``k``, ...)."""
         from mxd_lens import hooks
 
-        hooks.check_layer(model, layer)
+        block = _block_argument(block, cfg_fields)
+        hooks.check_block(model, block)
         fields = {
             "d_in": model.cfg.d_model,
             "d_out": model.cfg.d_model,
             "dtype": str(model.cfg.dtype).removeprefix("torch."),
             "device": str(model.cfg.device or "cpu"),
-            "metadata": hooks.layer_metadata(model, layer),
+            "metadata": hooks.layer_metadata(model, block),
             **cls._model_defaults(model),
             **cfg_fields,
         }
@@ -422,3 +423,17 @@ def unit_rows_(t: torch.Tensor) -> torch.Tensor:
     if t.device.type != "meta":
         t.div_(t.norm(dim=-1, keepdim=True).clamp_min(1e-12))
     return t
+
+
+def _block_argument(block: int | None, kwargs: dict[str, Any]) -> int:
+    """``block``, or the deprecated keyword ``layer=`` (the block index's old name)."""
+    if "layer" in kwargs:
+        import warnings
+
+        if block is not None:
+            raise TypeError("give the block index once: block=N (layer= is its old name)")
+        warnings.warn("layer= is now block= (a block index)", DeprecationWarning, stacklevel=3)
+        block = kwargs.pop("layer")
+    if block is None:
+        raise TypeError("missing the block index: for_model(model, block, ...)")
+    return block

@@ -131,14 +131,14 @@ class MxD(MLPReplacement[MxDConfig]):
         }
 
     @classmethod
-    def from_mlp(cls, model: HookedTransformer, layer: int, n_experts: int | None = None, k: int = 1) -> MxD:
-        """An MxD that computes block ``layer``'s MLP exactly: E copied, D = sqrt(d_out) W_out and
+    def from_mlp(cls, model: HookedTransformer, block: int, n_experts: int | None = None, k: int = 1) -> MxD:
+        """An MxD that computes block ``block``'s MLP exactly: E copied, D = sqrt(d_out) W_out and
         every c_n = 1 / sqrt(d_out) (unit rows, as training keeps them), expert 0 always on with
         coefficient 1 (G = 0, b_G = e_0). It shows MxD contains the MLP, and is a warm start for
         training (hand it to ``Trainer`` as it is)."""
         from mxd_lens import hooks
 
-        mlp = hooks.dense_mlp(model, layer)
+        mlp = hooks.dense_mlp(model, block)
         n_experts = k if n_experts is None else n_experts
         gated = bool(model.cfg.gated_mlp)
         cfg = MxDConfig(
@@ -151,32 +151,32 @@ class MxD(MLPReplacement[MxDConfig]):
             hidden_form="glu" if gated else "mlp",
             dtype=str(mlp.W_in.dtype).removeprefix("torch."),
             device=str(mlp.W_in.device),
-            metadata=hooks.layer_metadata(model, layer),
+            metadata=hooks.layer_metadata(model, block),
         )
         mxd = cls(cfg)
-        mxd.copy_hidden_from_mlp(model, layer)
+        mxd.copy_hidden_from_mlp(model, block)
         with torch.no_grad():
             mxd.W_enc.zero_()
             mxd.b_enc.zero_()
             mxd.b_enc[0] = 1.0
             mxd.W_dec.fill_(cfg.d_out**-0.5)
             mxd.W_out.mul_(cfg.d_out**0.5)
-            mlp = hooks.dense_mlp(model, layer)
+            mlp = hooks.dense_mlp(model, block)
             # TransformerLens's gated MLP adds b_in after the product: (act(x Wg) * (x Wi) + b_in) W_out.
             # Our b_E sits inside the product, so it stays 0 and b_in W_out is folded into b.
             mxd.b_dec.copy_(mlp.b_out + mlp.b_in @ mlp.W_out if gated else mlp.b_out)
         return mxd
 
     @torch.no_grad()
-    def copy_hidden_from_mlp(self, model: HookedTransformer, layer: int) -> MxD:
-        """Set E, b_E (and the GLU gate) and D to block ``layer``'s MLP weights: the warm start."""
+    def copy_hidden_from_mlp(self, model: HookedTransformer, block: int) -> MxD:
+        """Set E, b_E (and the GLU gate) and D to block ``block``'s MLP weights: the warm start."""
         from mxd_lens import hooks
 
-        mlp = hooks.dense_mlp(model, layer)
+        mlp = hooks.dense_mlp(model, block)
         gated = bool(model.cfg.gated_mlp)
         if (self.cfg.hidden_form == "glu") != gated or tuple(mlp.W_in.shape) != tuple(self.W_in.shape):
             raise ValueError(
-                f"this MxD ({self.cfg.hidden_form}, W_in {tuple(self.W_in.shape)}) does not match block {layer}'s "
+                f"this MxD ({self.cfg.hidden_form}, W_in {tuple(self.W_in.shape)}) does not match block {block}'s "
                 f"MLP ({'gated' if gated else 'plain'}, W_in {tuple(mlp.W_in.shape)})"
             )
         self.W_in.copy_(mlp.W_in)
