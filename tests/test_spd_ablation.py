@@ -276,3 +276,57 @@ def test_bad_input_is_named():
         ablation_effect(start, decomp, {name: [0]}, [start.residual(_tokens())], [_tokens()], n_random=0)
     with pytest.raises(ValueError, match="layer=5"):
         ResidualModel(model, 5)
+
+
+def test_real_model_study_end_to_end_on_toy_data(tmp_path):
+    """The study's glue on a tiny model and a toy data folder (the real one's file names): every file
+    written, the chosen concept the argmax of the selection scores, the tables complete, a rerun reusing
+    what was saved."""
+    import json
+    import lzma
+    import random
+
+    from conftest import WORDS, make_text_model
+
+    from mxd_lens.spd.real_model import CONCEPTS, CORPUS, RealModelStudy, run_real_model_study
+
+    model, _ = make_text_model(tmp_path)
+    rng = random.Random(0)
+
+    def sentence(marker=""):
+        words = [rng.choice(WORDS[4:]) for _ in range(rng.randint(14, 30))]
+        return " ".join(([marker] if marker else []) + words)
+
+    (tmp_path / "data/corpus").mkdir(parents=True)
+    (tmp_path / "data/probing").mkdir()
+    for name in CORPUS:
+        with lzma.open(tmp_path / f"data/corpus/{name}.txt.xz", "wt") as f:
+            f.write("\n\n".join(sentence() for _ in range(300)))
+    for file, label in CONCEPTS.values():
+        with lzma.open(tmp_path / f"data/probing/{file}.jsonl.xz", "wt") as f:
+            for i in range(160):
+                lab = label if i % 2 else "other"
+                f.write(json.dumps({"text": sentence("cat" if lab == label else "dog"), "label": lab}) + "\n")
+    study = RealModelStudy(data=str(tmp_path / "data"), block=1, context_size=12, train_rows=28, C=8, steps=3,
+                           batch_size=4, ci="token", ci_hidden=4, score_rows=4, eval_rows=7, n_random=2)  # fmt: skip
+    out = run_real_model_study(model, study, tmp_path / "out", command="test")
+    for name in (
+        "decomposition.json",
+        "scores.json",
+        "ablation.json",
+        "by_ci.json",
+        "ablation.png",
+        "RESULTS.md",
+    ):
+        assert (tmp_path / "out" / name).is_file(), name
+    selection = out["scores"]["selection_scores"]
+    assert out["ablation"]["chosen"] == max(selection, key=selection.get)
+    text = (tmp_path / "out/RESULTS.md").read_text()
+    table = [
+        line
+        for line in text.splitlines()
+        if line.startswith("| ") and (" top1 [" in line or " top3 [" in line)
+    ]
+    assert len(table) == len(CONCEPTS) * 2 * 3  # concept x top-1/3 x text set
+    again = run_real_model_study(model, study, tmp_path / "out", command="test")
+    assert again["ablation"] == out["ablation"]

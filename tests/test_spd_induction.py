@@ -239,3 +239,32 @@ def test_resume_matches_uninterrupted_run(tmp_path) -> None:
     with pytest.raises(ValueError, match="other settings"):
         train_induction_model(tmp_path / "b", steps=8, **{**kwargs, "lr": 2e-3})
     assert len(list((tmp_path / "b" / "checkpoints").glob("step_*"))) == 2
+
+
+def test_induction_spd_study_train_report_summary(tmp_path):
+    """The study's functions on a briefly trained model: a run resumes to the asked steps, the report
+    and the summary are written, another model for the same run is refused."""
+    import json
+
+    from mxd_lens.spd import induction_study as study_lib
+    from mxd_lens.spd.induction import train_induction_model
+
+    train_induction_model(
+        tmp_path / "model", steps=5, batch_size=32, eval_every=5, eval_size=64, progress=False
+    )
+    study = study_lib.InductionSPDStudy(variant="token-stoch", steps=4, batch_size=4)
+    first = study_lib.train_variant(study, tmp_path, progress=False)
+    assert (first["from_step"], first["to_step"]) == (0, 4)
+    more = study_lib.train_variant(study_lib.InductionSPDStudy(variant="token-stoch", steps=6, batch_size=4), tmp_path,
+                                   progress=False)  # fmt: skip
+    assert (more["from_step"], more["to_step"]) == (4, 6)
+    report = study_lib.report_variant(
+        study_lib.InductionSPDStudy(variant="token-stoch", steps=6, batch_size=4), tmp_path
+    )
+    assert report["training"]["steps"] == 6 and (tmp_path / "token-stoch/ci_by_position.png").is_file()
+    table = study_lib.summarize_variants(tmp_path)
+    assert "token-stoch" in table and json.loads((tmp_path / "summary.json").read_text())["token-stoch"]
+    with pytest.raises(ValueError, match="was trained on"):
+        study_lib.train_variant(
+            study_lib.InductionSPDStudy(variant="token-stoch", model=str(tmp_path / "x.pt")), tmp_path
+        )

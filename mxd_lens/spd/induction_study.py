@@ -1,0 +1,275 @@
+"""SPD of the toy induction model's 8 attention projections (Q, K, V, O x 2 layers), four variants:
+CI function {token, sequence} x {stochastic + subset reconstruction, stochastic only}
+(analyses/spd_induction.py is the command line).
+
+Variants: token-subset, token-stoch, sequence-subset, sequence-stoch. Settings (fixed per variant,
+recorded in OUT/VARIANT/run_config.json, refused on resume if changed): C = 32, AdamW lr 1e-3
+constant, faithfulness 1e5 with the delta component, stochastic recon 1, subset recon 1 (or 0),
+minimality 1e-2 with p linear 2 -> 0.3, continuous masks, KL at the last position only (the model is
+trained only there). Training batches: fresh InductionTask sequences, step s drawn from a generator
+seeded with 10_000 + s; the evaluation batch (512 sequences) from seed 7_777_777. Any minimality
+other than 1e-2 writes OUT/VARIANT-minM/.
+
+``train_variant`` writes OUT/VARIANT/{checkpoints/, metrics.json, run_config.json, train_log.jsonl};
+``report_variant`` OUT/VARIANT/{report.json, ci_by_position.png}; ``summarize_variants``
+OUT/summary.json, OUT/comparison.md, OUT/modules.md.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from mxd_lens.fileio import atomic_write_text
+from mxd_lens.spd.induction import InductionTask, load_induction_model
+from mxd_lens.spd.report import comparison_table, module_table, plot_ci_by_position, study_report
+from mxd_lens.spd.sites import decomposable_weights
+from mxd_lens.spd.train import SPDConfig, SPDTrainer
+
+log = logging.getLogger(__name__)
+
+VARIANTS = {
+    "token-subset": dict(ci="token", subset_recon=1.0),
+    "token-stoch": dict(ci="token", subset_recon=0.0),
+    "sequence-subset": dict(ci="sequence", subset_recon=1.0),
+    "sequence-stoch": dict(ci="sequence", subset_recon=0.0),
+}
+TITLES = {
+    "token-subset": "token CI (vector MLP), stochastic + subset reconstruction",
+    "token-stoch": "token CI (vector MLP), stochastic reconstruction only",
+    "sequence-subset": "sequence CI (causal attention), stochastic + subset reconstruction",
+    "sequence-stoch": "sequence CI (causal attention), stochastic reconstruction only",
+}
+DATA_SEED = 10_000
+EVAL_SEED = 7_777_777
+EVAL_SIZE = 512
+
+
+def choose_model(root: Path) -> Path:
+    """model-long/model.pt when that run has finished past step 800 (the first model's end; its
+    final_stats.json is written after model.pt), else model/model.pt."""
+    long = root / "model-long"
+    try:
+        steps = json.loads((long / "final_stats.json").read_text())["steps"]
+    except (OSError, ValueError, KeyError):
+        steps = 0
+    if (long / "model.pt").is_file() and steps > 800:
+        return long / "model.pt"
+    return root / "model" / "model.pt"
+
+
+DEFAULT_MINIMALITY = 1e-2
+
+
+def run_name(variant: str, minimality: float) -> str:
+    return variant if minimality == DEFAULT_MINIMALITY else f"{variant}-min{minimality:g}"
+
+
+def make_config(
+    variant: str, steps: int, batch_size: int, minimality: float = DEFAULT_MINIMALITY
+) -> SPDConfig:
+    return SPDConfig(
+        C=32,
+        steps=steps,
+        batch_size=batch_size,
+        lr=1e-3,
+        lr_schedule="constant",
+        mask_type="continuous",
+        delta=True,
+        faithfulness=1e5,
+        stochastic_recon=1.0,
+        layerwise_recon=0.0,
+        ci_masked_recon=0.0,
+        minimality=minimality,
+        p_start=2.0,
+        p_end=0.3,
+        positions="last",
+        ci_hidden=16,
+        seed=0,
+        log_every=10,
+        checkpoint_every=250,
+        keep_checkpoints=2,
+        **VARIANTS[variant],
+    )
+
+
+def batches_for(task: InductionTask, batch_size: int):
+    def batches(step: int) -> torch.Tensor:
+        return task.sample_batch(batch_size, torch.Generator().manual_seed(DATA_SEED + step)).tokens
+
+    return batches
+
+
+def build_trainer(out: Path, model_path: Path, config: SPDConfig, progress: bool = False):
+    """The induction model at ``model_path`` and an SPD trainer of its attention projections."""
+    model = load_induction_model(model_path)
+    modules = [name for name in decomposable_weights(model) if ".attn." in name]
+    trainer = SPDTrainer(
+        model, modules, batches_for(InductionTask(), config.batch_size), config, out, progress
+    )
+    return model, trainer
+
+
+@dataclass
+class InductionSPDStudy:
+    """One SPD run of the toy induction model's attention projections."""
+
+    variant: Literal["token-subset", "token-stoch", "sequence-subset", "sequence-stoch"] = "sequence-subset"
+    """CI function x reconstruction terms"""
+    model: str | None = None
+    """model.pt (default: model-long if trained further, else model, under the results root)"""
+    steps: int = 6000
+    """total SPD steps (sets the p schedule)"""
+    batch_size: int = 16
+    """sequences per step"""
+    minimality: float = DEFAULT_MINIMALITY
+    """minimality coefficient"""
+
+    @property
+    def name(self) -> str:
+        return run_name(self.variant, self.minimality)
+
+    def config(self, steps: int | None = None) -> SPDConfig:
+        return make_config(
+            self.variant, self.steps if steps is None else steps, self.batch_size, self.minimality
+        )
+
+
+def train_variant(study: InductionSPDStudy, root: str | Path, progress: bool = True) -> dict[str, Any]:
+    """Train (or resume) ``study`` under ROOT/NAME; appends this run's wall/CPU time to train_log.jsonl
+    and returns that record."""
+    root = Path(root)
+    out = root / study.name
+    run_config = out / "run_config.json"
+    if run_config.is_file():
+        saved = json.loads(run_config.read_text())
+        model_path = Path(saved["model"])
+        if study.model and Path(study.model) != model_path:
+            raise ValueError(f"{out} was trained on {model_path}; refusing {study.model}")
+    else:
+        model_path = Path(study.model) if study.model else choose_model(root)
+    config = study.config()
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(
+        run_config,
+        json.dumps({"variant": study.variant, "model": str(model_path), "config": asdict(config)}, indent=1),
+    )
+    _, trainer = build_trainer(out, model_path, config, progress)
+    trainer.load_checkpoint()
+    start_step, started, cpu_started = trainer.step, time.perf_counter(), time.process_time()
+    log.info("%s: model %s, from step %d to %d", out.name, model_path, start_step, config.steps)
+    trainer.fit()
+    record = {
+        "from_step": start_step,
+        "to_step": trainer.step,
+        "wall_s": time.perf_counter() - started,
+        "cpu_s": time.process_time() - cpu_started,
+        "ended": time.ctime(),
+    }
+    with (out / "train_log.jsonl").open("a") as f:
+        f.write(json.dumps(record) + "\n")
+    return record
+
+
+def time_variant(study: InductionSPDStudy, root: str | Path, steps: int) -> float:
+    """Seconds per step over ``steps`` steps after 5 warm-up steps, in a scratch folder (nothing kept)."""
+    import tempfile
+
+    config = study.config(steps + 5)
+    config.checkpoint_every = 0
+    with tempfile.TemporaryDirectory() as tmp:
+        _, trainer = build_trainer(
+            Path(tmp), Path(study.model) if study.model else choose_model(Path(root)), config
+        )
+        batches = trainer.batches
+        for step in range(5):
+            trainer.train_step(batches(step))
+        started = time.perf_counter()
+        for step in range(5, config.steps):
+            trainer.train_step(batches(step))
+        return (time.perf_counter() - started) / steps
+
+
+def report_variant(study: InductionSPDStudy, root: str | Path) -> dict[str, Any]:
+    """ROOT/NAME/report.json (``study_report`` on the evaluation batch, plus the training record) and
+    ci_by_position.png; returns the report."""
+    out = Path(root) / study.name
+    saved = json.loads((out / "run_config.json").read_text())
+    config = SPDConfig(**saved["config"])
+    _, trainer = build_trainer(out, Path(saved["model"]), config)
+    trainer.load_checkpoint()
+    if trainer.step == 0:
+        raise ValueError(f"{out} has no checkpoint yet")
+    batch = InductionTask().sample_batch(EVAL_SIZE, torch.Generator().manual_seed(EVAL_SEED))
+    started = time.perf_counter()
+    report = study_report(trainer.decomposition, batch, threshold=0.1, positions=config.positions, seed=1)
+    train_log = out / "train_log.jsonl"
+    runs = [json.loads(line) for line in train_log.read_text().splitlines()] if train_log.is_file() else []
+    report["training"] = {
+        "variant": study.name,
+        "model": saved["model"],
+        "steps": trainer.step,
+        "batch_size": config.batch_size,
+        "wall_s": sum(r["wall_s"] for r in runs),
+        "cpu_s": sum(r["cpu_s"] for r in runs) if all("cpu_s" in r for r in runs) else None,
+        "runs": runs,
+        "final_metrics": trainer.history[-1] if trainer.history else {},
+        "config": saved["config"],
+    }
+    report["report_s"] = time.perf_counter() - started
+    atomic_write_text(out / "report.json", json.dumps(report, indent=1))
+    plot_ci_by_position(
+        report,
+        out / "ci_by_position.png",
+        title=f"{study.name}: {TITLES[study.variant]}, minimality {config.minimality:g} (step {trainer.step})",
+    )
+    return report
+
+
+def summarize_variants(root: str | Path) -> str:
+    """ROOT/summary.json, comparison.md and modules.md over every variant with a report; returns the
+    comparison table."""
+    root = Path(root)
+    reports = {}
+    extra = sorted(p.parent.name for p in root.glob("*-min*/report.json"))
+    for variant in [*VARIANTS, *extra]:
+        path = root / variant / "report.json"
+        if path.is_file():
+            reports[variant] = json.loads(path.read_text())
+    if not reports:
+        raise ValueError(f"no report.json under {root}/<variant>/; run `report` first")
+    summary = {}
+    for variant, rep in reports.items():
+        summary[variant] = {
+            "training": {k: rep["training"][k] for k in ("model", "steps", "batch_size", "wall_s", "cpu_s")},
+            "faithfulness": rep["losses"]["faithfulness"],
+            "kl_stochastic": rep["losses"]["kl_stochastic"],
+            "kl_ci_masked": rep["losses"]["kl_ci_masked"],
+            "accuracy_clean": rep["accuracy_clean"],
+            "accuracy_ci_masked": rep["accuracy_ci_masked"],
+            "accuracy_ci_masked_no_delta": rep["accuracy_ci_masked_no_delta"],
+            "accuracy_ci_binary": rep["accuracy_ci_binary"],
+            "per_module_accuracy_ci_masked": {
+                rep["modules"][n]["short"]: v["accuracy"] for n, v in rep["per_module_ci_masked"].items()
+            },
+            "modules": {
+                m["short"]: {
+                    "n_alive": m["n_alive"],
+                    "l0": dict(zip(rep["position_classes"], m["l0"], strict=True)),
+                }
+                for m in rep["modules"].values()
+            },
+            "expected": {rep["modules"][n]["short"]: e for n, e in rep["expected"].items()},
+        }
+    table = comparison_table(reports)
+    atomic_write_text(root / "summary.json", json.dumps(summary, indent=1))
+    atomic_write_text(root / "comparison.md", table + "\n")
+    sections = [f"### {variant}\n\n{module_table(rep)}\n" for variant, rep in reports.items()]
+    atomic_write_text(root / "modules.md", "\n".join(sections))
+    return table
