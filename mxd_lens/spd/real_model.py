@@ -251,7 +251,7 @@ def run_real_model_study(
             "wall_s": spent["wall_s"] + time.time() - t0,
             "cpu_s": spent["cpu_s"] + time.process_time() - c0,
         }
-        timer.write_text(json.dumps(spent))
+        atomic_write_text(timer, json.dumps(spent))
     log.info("SPD: %d steps, last metrics %s", trainer.step, {k: round(v, 5) for k, v in metrics.items()})
     decomp = trainer.decomposition
 
@@ -296,7 +296,7 @@ def run_real_model_study(
         t0 = time.time()
         by_ci = effect_by_ci(study, model, start, decomp, name, rows, sets, cache, final)
         by_ci["wall_s"] = time.time() - t0
-        by_ci_path.write_text(json.dumps(by_ci, indent=1))
+        atomic_write_text(by_ci_path, json.dumps(by_ci, indent=1))
     plot_ablation(final, out / "ablation.png")
     atomic_write_text(out / "RESULTS.md", results_markdown(report, score_report, final, by_ci, command))
     return {"decomposition": report, "scores": score_report, "ablation": final, "by_ci": by_ci}
