@@ -2,35 +2,102 @@
 TransformerLens models, in SAELens's format.
 
     import mxd_lens
-    mxd = mxd_lens.MxD.for_model(model, layer=6, d_sae=mxd_lens.match_experts(24576, 768, 768, 3072), k=32)
+    mxd = mxd_lens.MxD.for_model(model, 6, d_sae=mxd_lens.match_experts(24576, 768, 768, 3072), k=32)
     with mxd_lens.splice(model, mxd):
         loss = model(tokens, return_type="loss")
+
+Importing the package is light (the command line's help answers at once); the names below load their
+modules on first use. Our architectures are registered with SAELens as soon as SAELens is imported
+(at once if it already is), so after ``import mxd_lens`` ``SAE.load_from_disk`` / ``SAE.from_pretrained``
+build our layers whichever of the two was imported first.
 """
 
-from mxd_lens import layers as _layers
-from mxd_lens import logs  # noqa: F401 (the mxd_lens logger's default handler)
-from mxd_lens.hooks import capture_mlp_io, layer_metadata, splice
-from mxd_lens.layers import *  # noqa: F403 (the layer classes and configs, the architecture table)
-from mxd_lens.layers.io import load_layer, load_layers
-from mxd_lens.matching import match_experts
+from __future__ import annotations
 
-register()  # noqa: F405
+import importlib
+import importlib.abc
+import importlib.util
+import sys
+from typing import Any
+
+from mxd_lens import logs  # noqa: F401 (the mxd_lens logger's default handler)
 
 __version__ = "0.1.0"
 
+_WHERE = {  # public name -> the module that defines it
+    **dict.fromkeys(["capture_mlp_io", "layer_metadata", "splice"], "mxd_lens.hooks"),
+    **dict.fromkeys(["load_layer", "load_layers"], "mxd_lens.layers.io"),
+    "match_experts": "mxd_lens.matching",
+    **dict.fromkeys(
+        [
+            "ARCHITECTURES",
+            "BUILT_IN",
+            "LayerConfig",
+            "MLPReplacement",
+            "MxD",
+            "MxDConfig",
+            "TopKSkipTranscoder",
+            "TopKSkipTranscoderConfig",
+            "TopKTranscoder",
+            "TopKTranscoderConfig",
+            "architecture_key",
+            "get_architecture",
+            "register",
+            "register_architecture",
+        ],
+        "mxd_lens.layers",
+    ),
+}
+__all__ = sorted(_WHERE)
+_RENAMED = ("Transcoder", "TranscoderConfig", "SkipTranscoder", "SkipTranscoderConfig")  # deprecated
 
-def __getattr__(name: str):
-    from mxd_lens.layers.transcoder import deprecated_name
 
-    return deprecated_name(__name__, name)
+def __getattr__(name: str) -> Any:
+    if name in _WHERE:
+        value = getattr(importlib.import_module(_WHERE[name]), name)
+        globals()[name] = value  # next time without this function
+        return value
+    if name in _RENAMED:
+        from mxd_lens.layers.transcoder import deprecated_name
+
+        return deprecated_name(__name__, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")  # (a submodule is then imported)
 
 
-__all__ = [
-    *_layers.__all__,
-    "capture_mlp_io",
-    "layer_metadata",
-    "load_layer",
-    "load_layers",
-    "match_experts",
-    "splice",
-]
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_WHERE])
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Runs ``callback`` once the module ``name`` has been executed (imported), wherever it is
+    imported from; removes itself on first use."""
+
+    def __init__(self, name: str, callback: Any):
+        self.name, self.callback = name, callback
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        if fullname != self.name:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)
+        loader = getattr(spec, "loader", None)
+        if loader is None or not hasattr(loader, "exec_module"):
+            return spec
+        exec_module, callback = loader.exec_module, self.callback
+
+        def exec_then_call(module: Any) -> None:
+            exec_module(module)
+            callback()
+
+        loader.exec_module = exec_then_call
+        return spec
+
+
+def _register() -> None:
+    importlib.import_module("mxd_lens.layers")  # registers the built-in architectures with SAELens
+
+
+if "sae_lens" in sys.modules:
+    _register()
+elif not any(isinstance(f, _AfterImport) for f in sys.meta_path):
+    sys.meta_path.insert(0, _AfterImport("sae_lens", _register))

@@ -43,6 +43,7 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from mxd_lens import hooks
+from mxd_lens.config import StreamConfig  # noqa: F401 (re-exported: it configures this module's stream)
 from mxd_lens.fileio import atomic_write, atomic_write_text
 
 MANIFEST = "manifest.json"
@@ -87,27 +88,6 @@ class StreamInfo:
 
 
 Block = dict[int, tuple[torch.Tensor, torch.Tensor]]  # layer -> (x [n, d_in], y [n, d_out])
-
-
-@dataclass
-class StreamConfig:
-    """A live activation stream: ``model`` run over the 'train' side of ``text``'s document split,
-    packed into rows and shuffled block by block (``ModelActivations.from_config``)."""
-
-    model: str | None = None
-    """smollm2-135m (offline default), a .gguf file, a local Hugging Face folder, or a TransformerLens name (hub)"""
-    text: str | None = None
-    """a .txt/.jsonl file (also .xz/.gz), a folder of them, or a Hugging Face dataset name"""
-    context_size: int = 128
-    """tokens per row, BOS included"""
-    rows_per_block: int = 256
-    """rows per shuffled block / cache shard"""
-    forward_rows: int = 16
-    """rows per model forward"""
-    eval_fraction: float = 0.02
-    """documents held out for evaluation (the split's 'eval' side)"""
-    split_seed: int = 0
-    """seed of the train/eval document split"""
 
 
 class ModelActivations:

@@ -9,10 +9,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from mxd_lens.activations import StreamConfig
-from mxd_lens.analysis.frontier import FrontierConfig
-from mxd_lens.models import DEFAULT_MODEL
-from mxd_lens.training import LearnerSpec
+# Only the light config module at import: `mxd-lens --help` must not wait for torch.
+from mxd_lens.config import DEFAULT_MODEL, WIDTH_MULTIPLIER, StreamConfig, TrainConfig
 
 # Each subcommand's options are the fields of a dataclass (docstrings as help, defaults stated once):
 # the stream (StreamConfig), the training recipe (TrainConfig), and the command's own below.
@@ -24,7 +22,7 @@ class CheckCommand:
 
     k: int = 8
     """active experts / latents per token"""
-    m: int = LearnerSpec.width_multiplier
+    m: int = WIDTH_MULTIPLIER
     """transcoder width multiplier; MxD is parameter-matched"""
     seed: int = 0
     """random seed"""
@@ -44,7 +42,7 @@ class DemoCommand:
     """transformer block whose MLP to replace (--layer: its old name)"""
     k: int = 32
     """active experts / latents per token"""
-    width_multiplier: int = FrontierConfig.width_multiplier
+    width_multiplier: int = WIDTH_MULTIPLIER
     """transcoder width m x d_model; MxD matched"""
     train_tokens: int | None = None
     """training tokens (default 262,144; 8,192 with --quick)"""
@@ -93,7 +91,7 @@ class TrainCommand:
     """architectures: keys of mxd_lens.ARCHITECTURES (mxd, transcoder, skip_transcoder, any registered)"""
     k: list[int] = field(default_factory=lambda: [32])
     """active units per token, one or more"""
-    width_multiplier: list[int] = field(default_factory=lambda: [LearnerSpec.width_multiplier])
+    width_multiplier: list[int] = field(default_factory=lambda: [WIDTH_MULTIPLIER])
     """transcoder width multiplier(s) m: width m x d_model; MxD gets the matching experts"""
     init: Literal["default", "mlp"] = "default"
     """'mlp': MxD's E and D start as the host MLP's"""
@@ -315,7 +313,7 @@ def _train(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
     from mxd_lens.activations import CachedActivations, ModelActivations
-    from mxd_lens.training import Trainer
+    from mxd_lens.training import LearnerSpec, Trainer
 
     stream_config, config, args = args.stream, args.config, args.train
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
@@ -401,15 +399,14 @@ def parse_config(description: str | None, argv: list[str] | None = None, **confi
     return tuple(getattr(args, dest) for dest in configs)
 
 
-def build_parser() -> argparse.ArgumentParser:
-
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The ``mxd-lens`` parser. With ``only`` (a subcommand's name) the other subcommands get no
+    options, so ``mxd-lens SUB --help`` builds just what it shows."""
     parser = argparse.ArgumentParser(
         prog="mxd-lens", description="Sparse MLP replacements for TransformerLens models."
     )
     # Subcommands are simple_parsing parsers, so a config dataclass becomes options (field docstrings as help).
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_subparser_class())
-    from mxd_lens.training import TrainConfig
-
     commands = {  # name: (help, description, {dest: options dataclass}, function)
         "check": (
             "run every layer type end to end (build, save, load, splice) on small random models",
@@ -444,14 +441,15 @@ def build_parser() -> argparse.ArgumentParser:
     }
     for name, (summary, description, options, func) in commands.items():
         command = sub.add_parser(name, help=summary, description=description)
-        for dest, options_class in options.items():
+        for dest, options_class in options.items() if only in (None, name) else ():
             command.add_arguments(options_class, dest=dest)
         command.set_defaults(func=func)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    words = sys.argv[1:] if argv is None else argv
+    parser = build_parser(only=next((w for w in words if not w.startswith("-")), ""))
     try:
         args = parser.parse_args(argv)
     except ValueError as err:  # a config dataclass refused its fields (e.g. neither --tokens nor --epochs)

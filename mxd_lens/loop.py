@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import warnings
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
@@ -30,10 +29,9 @@ from mxd_lens.checkpoints import (
     latest_checkpoint,
     save_checkpoint_dir,
 )
+from mxd_lens.config import SCHEDULES, scheduled_lr  # noqa: F401 (re-exported)
 
 log = logging.getLogger(__name__)
-
-SCHEDULES = ("constant", "linear", "cosine")
 
 
 class TrainingDiverged(FloatingPointError):
@@ -51,32 +49,6 @@ def differences(
     free = set(free)
     keys = sorted((set(saved) | set(asked)) - free, key=str)
     return {k: (saved.get(k), asked.get(k)) for k in keys if saved.get(k) != asked.get(k)}
-
-
-def scheduled_lr(
-    step: int,
-    total_steps: int,
-    lr: float,
-    warmup_steps: int = 0,
-    schedule: str = "constant",
-    decay_steps: int | None = None,
-    floor: float = 0.0,
-) -> float:
-    """The rate of step ``step`` (0-based) of ``total_steps``: a linear warmup over ``warmup_steps``,
-    then constant, or ("linear" / "cosine") a decay over the last ``decay_steps`` (default: every step
-    after the warmup) from ``lr`` to ``floor`` x ``lr``, reached at the last step."""
-    if schedule not in SCHEDULES:
-        raise ValueError(f"schedule={schedule!r}: choose one of {SCHEDULES}")
-    factor = min(1.0, (step + 1) / warmup_steps) if warmup_steps > 0 else 1.0
-    if schedule != "constant":
-        decay = total_steps - warmup_steps if decay_steps is None else decay_steps
-        decay = max(1, decay)
-        begin = total_steps - decay
-        if step >= begin:
-            t = min(1.0, (step - begin + 1) / decay)
-            shape = t if schedule == "linear" else (1 - math.cos(math.pi * t)) / 2
-            factor *= 1 - (1 - floor) * shape
-    return lr * factor
 
 
 class TrainingLoop:

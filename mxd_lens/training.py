@@ -46,12 +46,12 @@ import torch.distributed as dist
 
 from mxd_lens.activations import CachedActivations, ModelActivations, StreamInfo, shuffled_batches
 from mxd_lens.checkpoints import CheckpointError, RunLocked  # noqa: F401 (re-exported)
+from mxd_lens.config import NORMALIZATIONS, WIDTH_MULTIPLIER, TrainConfig  # noqa: F401 (re-exported)
 from mxd_lens.fileio import atomic_write_text
 from mxd_lens.firing import FiringTracker
 from mxd_lens.layers import MLPReplacement, MxD, architecture_key, get_architecture
 from mxd_lens.loop import SCHEDULES, ResumeMismatch, TrainingDiverged, TrainingLoop, scheduled_lr  # noqa: F401
 
-NORMALIZATIONS = ("none", "input", "input_output")
 # Settings that may change between a checkpoint and its resumption without changing what is trained.
 _FREE = ("total_tokens", "epochs", "log_every", "checkpoint_every", "keep_checkpoints", "wandb_project")
 
@@ -68,7 +68,7 @@ class LearnerSpec:
     arch: str  # a key of mxd_lens.ARCHITECTURES (the built-in ones, or one registered)
     block: int  # the transformer block whose MLP it replaces
     k: int
-    width_multiplier: int = 8
+    width_multiplier: int = WIDTH_MULTIPLIER
     init: Literal["default", "mlp", "given"] = "default"  # "mlp": MxD's E, b_E, D from the host MLP;
     # "given": a layer built by the caller (Trainer takes the layer itself in place of a spec)
     d_sae: int | None = None
@@ -105,135 +105,6 @@ class LearnerSpec:
         if self.normalize_decoder is None:
             return get_architecture(self.arch).unit_norm_decoder
         return self.normalize_decoder
-
-
-@dataclass
-class TrainConfig:
-    """How to train. Give ``total_tokens`` or ``epochs`` (passes over a cache); the other defaults are
-    the recipe measured in docs/training.md (the paper's GPT-2 setting, for reference: lr 1e-4 to 4e-4,
-    5,000 warmup steps, 4,096 tokens a step, 480M tokens, no normalisation, no AuxK)."""
-
-    total_tokens: int | None = field(default=None, metadata={"alias": ["--tokens"]})
-    """training tokens (more than a cache holds: several epochs); give this or epochs"""
-    epochs: float | None = None
-    """passes over the activation cache (a cache only); give this or total_tokens"""
-    batch_tokens: int = 512
-    """tokens per step, across all data-parallel ranks"""
-    lr: float = 2e-3
-    """Adam learning rate"""
-    warmup_steps: int | None = field(default=None, metadata={"alias": ["--warmup"]})
-    """linear warmup steps (default: warmup_fraction of the steps)"""
-    warmup_fraction: float = 0.05
-    """warmup as a fraction of the steps, when warmup_steps is not given"""
-    lr_schedule: Literal["constant", "linear", "cosine"] = "linear"
-    """after warmup: constant, or a linear/cosine decay over the last decay_fraction of the run"""
-    decay_fraction: float = 0.2
-    """the last part of the run over which the rate decays"""
-    lr_floor: float = 0.1
-    """the rate at the end of the decay, as a fraction of lr"""
-    betas: tuple[float, float] = (0.9, 0.999)
-    """Adam's betas"""
-    objective: Literal["nmse", "paper"] = "nmse"
-    """training loss: sum of squared errors over the batch's target variance, or the reference code's"""
-    normalize: Literal["none", "input", "input_output"] = "input_output"
-    """scale activations to E||x||^2 = d_in (and E||y||^2 = d_out); folded into the saved weights"""
-    norm_tokens: int = 65_536
-    """tokens at the start of the stream that estimate the normalisation scales"""
-    aux_coefficient: float = 0.5
-    """AuxK loss weight for dead units (0: off; sparsify's 1/32 left more dead, docs/training.md)"""
-    k_aux: int | None = None
-    """dead units in the AuxK loss (default: d_out / 2, Gao et al. 2024)"""
-    dead_window_tokens: int | None = field(default=None, metadata={"alias": ["--dead-window"]})
-    """tokens without firing that make a unit dead (default: the run's tokens / 8, at most 1M)"""
-    init_b_dec: Literal["zero", "target_mean"] = "zero"
-    """output bias at initialisation"""
-    seed: int = 0
-    """seed of initialisation and shuffling"""
-    log_every: int = 25
-    """steps between metric logs"""
-    checkpoint_every: int = 500
-    """steps between checkpoints (0: only the final weights)"""
-    keep_checkpoints: int = 2
-    """checkpoints kept (older ones are deleted)"""
-    wandb_project: str | None = field(default=None, metadata={"alias": ["--wandb"]})
-    """log to this Weights & Biases project"""
-
-    def __post_init__(self) -> None:
-        if (self.total_tokens is None) == (self.epochs is None):
-            raise ValueError(
-                f"give exactly one of total_tokens={self.total_tokens} and epochs={self.epochs} "
-                "(epochs: passes over an activation cache)"
-            )
-        if self.batch_tokens <= 0:
-            raise ValueError(f"batch_tokens={self.batch_tokens} must be positive")
-        if self.total_tokens is not None and self.total_tokens < self.batch_tokens:
-            raise ValueError(
-                f"total_tokens={self.total_tokens} is less than one batch of {self.batch_tokens}"
-            )
-        if self.epochs is not None and not self.epochs > 0:
-            raise ValueError(f"epochs={self.epochs} must be > 0")
-        for name, choices in (
-            ("objective", ("nmse", "paper")),
-            ("normalize", NORMALIZATIONS),
-            ("lr_schedule", SCHEDULES),
-        ):
-            if getattr(self, name) not in choices:
-                raise ValueError(f"{name}={getattr(self, name)!r}: choose one of {choices}")
-        if not self.lr > 0:
-            raise ValueError(f"lr={self.lr} must be > 0")
-        if self.warmup_steps is not None and self.warmup_steps < 0:
-            raise ValueError(f"warmup_steps={self.warmup_steps} must be >= 0")
-        for name in ("warmup_fraction", "decay_fraction", "lr_floor"):
-            if not 0 <= getattr(self, name) <= 1:
-                raise ValueError(f"{name}={getattr(self, name)} must be in [0, 1]")
-        if self.aux_coefficient < 0:
-            raise ValueError(f"aux_coefficient={self.aux_coefficient} must be >= 0 (0 turns AuxK off)")
-        if self.k_aux is not None and self.k_aux <= 0:
-            raise ValueError(f"k_aux={self.k_aux} must be positive (aux_coefficient=0 turns AuxK off)")
-        if self.dead_window_tokens is not None and self.dead_window_tokens <= 0:
-            raise ValueError(f"dead_window_tokens={self.dead_window_tokens} must be positive")
-        if self.norm_tokens <= 0:
-            raise ValueError(f"norm_tokens={self.norm_tokens} must be positive")
-        self.betas = tuple(self.betas)
-
-    def tokens_for(self, epoch_tokens: int | None) -> int:
-        """Training tokens (whole batches) for a stream whose one pass holds ``epoch_tokens``."""
-        if self.epochs is not None:
-            if epoch_tokens is None:
-                raise ValueError(
-                    "epochs need an activation cache (a live model stream is read once and its length is not "
-                    "known up front): write one with `mxd-lens cache`, or give total_tokens"
-                )
-            tokens = int(self.epochs * epoch_tokens)
-        else:
-            tokens = int(self.total_tokens)
-        steps = tokens // self.batch_tokens
-        if steps == 0:
-            raise ValueError(f"{tokens} tokens make no batch of {self.batch_tokens}")
-        return steps * self.batch_tokens
-
-    def warmup_for(self, total_steps: int) -> int:
-        if self.warmup_steps is not None:
-            return self.warmup_steps
-        return max(1, round(self.warmup_fraction * total_steps))
-
-    def lr_at(self, step: int, total_steps: int) -> float:
-        """The rate of step ``step`` (0-based) of ``total_steps``: warmup, constant, optional decay."""
-        decays = self.lr_schedule != "constant" and self.decay_fraction > 0
-        return scheduled_lr(
-            step,
-            total_steps,
-            self.lr,
-            warmup_steps=self.warmup_for(total_steps),
-            schedule=self.lr_schedule if decays else "constant",
-            decay_steps=max(1, round(self.decay_fraction * total_steps)),
-            floor=self.lr_floor,
-        )
-
-    def dead_window_for(self, total_tokens: int) -> int:
-        if self.dead_window_tokens is not None:
-            return self.dead_window_tokens
-        return max(self.batch_tokens, min(1_000_000, total_tokens // 8))
 
 
 def build_layer(

@@ -122,3 +122,33 @@ def test_demo_runs_end_to_end(tmp_path, text_model, capsys):
         "L1.mxd.k2.m8",
         "L1.transcoder.k2.m8",
     ]
+
+
+@pytest.mark.parametrize("command", ["", "check", "demo", "cache", "train"])
+def test_help_imports_no_torch(command):
+    """`mxd-lens [SUB] --help` reads only the light config module (so it answers at once)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\nfrom mxd_lens.cli import main\n"
+        f"try:\n    main({[command, '--help'] if command else ['--help']!r})\nexcept SystemExit:\n    pass\n"
+        "heavy = [m for m in ('torch', 'sae_lens', 'transformer_lens') if m in sys.modules]\n"
+        "assert not heavy, heavy\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "usage: mxd-lens" in done.stdout
+
+
+def test_import_mxd_lens_registers_with_saelens_in_either_order():
+    import subprocess
+    import sys
+
+    for first, second in (("mxd_lens", "sae_lens"), ("sae_lens", "mxd_lens")):
+        code = (
+            f"import {first}\nimport {second}\nfrom sae_lens.registry import SAE_CLASS_REGISTRY\n"
+            "assert {'mxd_lens.mxd', 'mxd_lens.topk_transcoder', 'mxd_lens.skip_transcoder'} <= set(SAE_CLASS_REGISTRY)\n"
+        )
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, (first, done.stderr[-2000:])

@@ -22,7 +22,7 @@ import logging
 import math
 import shlex
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -30,89 +30,13 @@ import torch
 
 from mxd_lens import data
 from mxd_lens.activations import MANIFEST, CachedActivations, ModelActivations, StreamConfig, write_cache
+from mxd_lens.config import FrontierConfig  # noqa: F401 (re-exported)
 from mxd_lens.evaluation import check_disjoint, evaluate
 from mxd_lens.fileio import atomic_write_text
-from mxd_lens.layers import BUILT_IN, get_architecture
-from mxd_lens.training import LearnerSpec, TrainConfig, Trainer
+from mxd_lens.layers import get_architecture
+from mxd_lens.training import LearnerSpec, Trainer
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class FrontierConfig:
-    """What to compare. ``train_tokens`` are drawn from the 'train' side of ``text``'s document split;
-    held-out tokens from its 'eval' side (never the same documents) or from ``eval_text``."""
-
-    text: str | None = None  # training text: a file, folder or dataset (default: the bundled English text)
-    blocks: list[int] = field(default_factory=list, metadata={"alias": ["--layers"]})
-    """transformer blocks whose MLP to replace, each at every K in ks (--layers: its old name)"""
-    ks: list[int] = field(default_factory=lambda: [16, 32, 64])  # active units per token
-    grid: list[str] = field(default_factory=list)  # more points: "BLOCK:K,K[@SEED,SEED]", e.g. 25:32 15:32@1
-    eval_text: str | None = None  # held-out text (default: the 'eval' side of text's split)
-    cache: str | None = None  # activation cache folder, shareable between studies (default: OUT/cache)
-    width_multiplier: int = 8  # transcoder width m x d_model; MxD gets the experts that match its params
-    archs: list[str] = field(default_factory=lambda: list(BUILT_IN))  # keys of mxd_lens.ARCHITECTURES
-    train_tokens: int = 1_000_000  # tokens cached from the train split
-    epochs: float = 1.0  # passes over them
-    eval_tokens: int = 25_600  # held-out tokens for CE, KL, FVU, L0, dead units
-    context_size: int = StreamConfig.context_size  # tokens per row (BOS included where the model uses one)
-    batch_tokens: int = TrainConfig.batch_tokens  # tokens per training step
-    lr: float = TrainConfig.lr  # Adam learning rate
-    warmup_steps: int | None = None  # None: the trainer's default fraction of the steps
-    rows_per_block: int = StreamConfig.rows_per_block  # token rows per cache shard
-    eval_batch_rows: int = 8  # token rows per evaluation forward
-    eval_fraction: float = StreamConfig.eval_fraction  # documents of text held out as its 'eval' side
-    split_seed: int = StreamConfig.split_seed  # seed of that document split
-    seed: int = 0  # seed of the layers and points with no @SEED
-    cache_dtype: str = "float32"  # float32, float16 or bfloat16 storage of the cache
-
-    def __post_init__(self) -> None:
-        if self.text is None:
-            self.text = str(data.default_text())
-        for arch in self.archs:
-            get_architecture(arch)  # a clear error for an unknown key
-        if not self.learners():
-            raise ValueError("give at least one block and one K (blocks and ks, or grid)")
-
-    def learners(self) -> list[tuple[int, int, int]]:
-        """(block, K, seed) for every point of the grid, in order, without repeats."""
-        points = [(block, k, self.seed) for block in self.blocks for k in self.ks]
-        for entry in self.grid:
-            block, sep, rest = entry.partition(":")
-            ks, _, seeds = rest.partition("@")
-            try:
-                parsed = [
-                    (int(block), int(k), int(s))
-                    for k in ks.split(",")
-                    for s in (seeds.split(",") if seeds else [self.seed])
-                ]
-            except ValueError:
-                parsed = []
-            if not sep or not parsed:
-                raise ValueError(f"grid entry {entry!r}: write BLOCK:K,K,...[@SEED,...], e.g. '15:32@1'")
-            points += parsed
-        return list(dict.fromkeys(points))
-
-    @property
-    def all_blocks(self) -> list[int]:
-        """Every block the study trains at (from ``blocks`` and ``grid``)."""
-        return sorted({block for block, _, _ in self.learners()})
-
-    @property
-    def steps(self) -> int:
-        return int(self.epochs * self.train_tokens) // self.batch_tokens
-
-    def train_config(self, seed: int) -> TrainConfig:
-        """The trainer's settings (the recipe's defaults but for these fields)."""
-        return TrainConfig(
-            total_tokens=self.steps * self.batch_tokens,
-            batch_tokens=self.batch_tokens,
-            lr=self.lr,
-            warmup_steps=self.warmup_steps,
-            seed=seed,
-            checkpoint_every=max(50, self.steps // 20),
-            log_every=max(1, self.steps // 50),
-        )
 
 
 def eval_batches(model: Any, config: FrontierConfig) -> list[torch.Tensor]:

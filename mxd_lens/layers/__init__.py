@@ -27,6 +27,9 @@ def __getattr__(name: str) -> Any:
     return deprecated_name(__name__, name)
 
 
+register()  # importing the layers registers them: `import mxd_lens` arranges it when SAELens loads
+
+
 __all__ = [
     "ARCHITECTURES",
     "BUILT_IN",

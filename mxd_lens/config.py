@@ -1,0 +1,277 @@
+"""The configurations people set, in one light module (no torch import: ``mxd-lens --help`` reads
+them in a moment): the activation stream (``StreamConfig``), the training recipe (``TrainConfig``),
+the frontier study (``FrontierConfig``), and the learning-rate schedule they use. Each lives here
+once; ``mxd_lens.activations``, ``mxd_lens.training`` and ``mxd_lens.analysis.frontier`` re-export
+them, and every command line is generated from their fields (docstrings as help).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal
+
+DEFAULT_MODEL = "smollm2-135m"  # the offline default (SmolLM2-135M-Instruct from a PyPI wheel)
+WIDTH_MULTIPLIER = 8  # transcoder width m x d_model; MxD gets the experts that match its parameters
+SCHEDULES = ("constant", "linear", "cosine")
+NORMALIZATIONS = ("none", "input", "input_output")
+
+
+def scheduled_lr(
+    step: int,
+    total_steps: int,
+    lr: float,
+    warmup_steps: int = 0,
+    schedule: str = "constant",
+    decay_steps: int | None = None,
+    floor: float = 0.0,
+) -> float:
+    """The rate of step ``step`` (0-based) of ``total_steps``: a linear warmup over ``warmup_steps``,
+    then constant, or ("linear" / "cosine") a decay over the last ``decay_steps`` (default: every step
+    after the warmup) from ``lr`` to ``floor`` x ``lr``, reached at the last step."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule={schedule!r}: choose one of {SCHEDULES}")
+    factor = min(1.0, (step + 1) / warmup_steps) if warmup_steps > 0 else 1.0
+    if schedule != "constant":
+        decay = total_steps - warmup_steps if decay_steps is None else decay_steps
+        decay = max(1, decay)
+        begin = total_steps - decay
+        if step >= begin:
+            t = min(1.0, (step - begin + 1) / decay)
+            shape = t if schedule == "linear" else (1 - math.cos(math.pi * t)) / 2
+            factor *= 1 - (1 - floor) * shape
+    return lr * factor
+
+
+@dataclass
+class StreamConfig:
+    """A live activation stream: ``model`` run over the 'train' side of ``text``'s document split,
+    packed into rows and shuffled block by block (``ModelActivations.from_config``)."""
+
+    model: str | None = None
+    """smollm2-135m (offline default), a .gguf file, a local Hugging Face folder, or a TransformerLens name (hub)"""
+    text: str | None = None
+    """a .txt/.jsonl file (also .xz/.gz), a folder of them, or a Hugging Face dataset name"""
+    context_size: int = 128
+    """tokens per row, BOS included"""
+    rows_per_block: int = 256
+    """rows per shuffled block / cache shard"""
+    forward_rows: int = 16
+    """rows per model forward"""
+    eval_fraction: float = 0.02
+    """documents held out for evaluation (the split's 'eval' side)"""
+    split_seed: int = 0
+    """seed of the train/eval document split"""
+
+
+@dataclass
+class TrainConfig:
+    """How to train. Give ``total_tokens`` or ``epochs`` (passes over a cache); the other defaults are
+    the recipe measured in docs/training.md (the paper's GPT-2 setting, for reference: lr 1e-4 to 4e-4,
+    5,000 warmup steps, 4,096 tokens a step, 480M tokens, no normalisation, no AuxK)."""
+
+    total_tokens: int | None = field(default=None, metadata={"alias": ["--tokens"]})
+    """training tokens (more than a cache holds: several epochs); give this or epochs"""
+    epochs: float | None = None
+    """passes over the activation cache (a cache only); give this or total_tokens"""
+    batch_tokens: int = 512
+    """tokens per step, across all data-parallel ranks"""
+    lr: float = 2e-3
+    """Adam learning rate"""
+    warmup_steps: int | None = field(default=None, metadata={"alias": ["--warmup"]})
+    """linear warmup steps (default: warmup_fraction of the steps)"""
+    warmup_fraction: float = 0.05
+    """warmup as a fraction of the steps, when warmup_steps is not given"""
+    lr_schedule: Literal["constant", "linear", "cosine"] = "linear"
+    """after warmup: constant, or a linear/cosine decay over the last decay_fraction of the run"""
+    decay_fraction: float = 0.2
+    """the last part of the run over which the rate decays"""
+    lr_floor: float = 0.1
+    """the rate at the end of the decay, as a fraction of lr"""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """Adam's betas"""
+    objective: Literal["nmse", "paper"] = "nmse"
+    """training loss: sum of squared errors over the batch's target variance, or the reference code's"""
+    normalize: Literal["none", "input", "input_output"] = "input_output"
+    """scale activations to E||x||^2 = d_in (and E||y||^2 = d_out); folded into the saved weights"""
+    norm_tokens: int = 65_536
+    """tokens at the start of the stream that estimate the normalisation scales"""
+    aux_coefficient: float = 0.5
+    """AuxK loss weight for dead units (0: off; sparsify's 1/32 left more dead, docs/training.md)"""
+    k_aux: int | None = None
+    """dead units in the AuxK loss (default: d_out / 2, Gao et al. 2024)"""
+    dead_window_tokens: int | None = field(default=None, metadata={"alias": ["--dead-window"]})
+    """tokens without firing that make a unit dead (default: the run's tokens / 8, at most 1M)"""
+    init_b_dec: Literal["zero", "target_mean"] = "zero"
+    """output bias at initialisation"""
+    seed: int = 0
+    """seed of initialisation and shuffling"""
+    log_every: int = 25
+    """steps between metric logs"""
+    checkpoint_every: int = 500
+    """steps between checkpoints (0: only the final weights)"""
+    keep_checkpoints: int = 2
+    """checkpoints kept (older ones are deleted)"""
+    wandb_project: str | None = field(default=None, metadata={"alias": ["--wandb"]})
+    """log to this Weights & Biases project"""
+
+    def __post_init__(self) -> None:
+        if (self.total_tokens is None) == (self.epochs is None):
+            raise ValueError(
+                f"give exactly one of total_tokens={self.total_tokens} and epochs={self.epochs} "
+                "(epochs: passes over an activation cache)"
+            )
+        if self.batch_tokens <= 0:
+            raise ValueError(f"batch_tokens={self.batch_tokens} must be positive")
+        if self.total_tokens is not None and self.total_tokens < self.batch_tokens:
+            raise ValueError(
+                f"total_tokens={self.total_tokens} is less than one batch of {self.batch_tokens}"
+            )
+        if self.epochs is not None and not self.epochs > 0:
+            raise ValueError(f"epochs={self.epochs} must be > 0")
+        for name, choices in (
+            ("objective", ("nmse", "paper")),
+            ("normalize", NORMALIZATIONS),
+            ("lr_schedule", SCHEDULES),
+        ):
+            if getattr(self, name) not in choices:
+                raise ValueError(f"{name}={getattr(self, name)!r}: choose one of {choices}")
+        if not self.lr > 0:
+            raise ValueError(f"lr={self.lr} must be > 0")
+        if self.warmup_steps is not None and self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps={self.warmup_steps} must be >= 0")
+        for name in ("warmup_fraction", "decay_fraction", "lr_floor"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be in [0, 1]")
+        if self.aux_coefficient < 0:
+            raise ValueError(f"aux_coefficient={self.aux_coefficient} must be >= 0 (0 turns AuxK off)")
+        if self.k_aux is not None and self.k_aux <= 0:
+            raise ValueError(f"k_aux={self.k_aux} must be positive (aux_coefficient=0 turns AuxK off)")
+        if self.dead_window_tokens is not None and self.dead_window_tokens <= 0:
+            raise ValueError(f"dead_window_tokens={self.dead_window_tokens} must be positive")
+        if self.norm_tokens <= 0:
+            raise ValueError(f"norm_tokens={self.norm_tokens} must be positive")
+        self.betas = tuple(self.betas)
+
+    def tokens_for(self, epoch_tokens: int | None) -> int:
+        """Training tokens (whole batches) for a stream whose one pass holds ``epoch_tokens``."""
+        if self.epochs is not None:
+            if epoch_tokens is None:
+                raise ValueError(
+                    "epochs need an activation cache (a live model stream is read once and its length is not "
+                    "known up front): write one with `mxd-lens cache`, or give total_tokens"
+                )
+            tokens = int(self.epochs * epoch_tokens)
+        else:
+            tokens = int(self.total_tokens)
+        steps = tokens // self.batch_tokens
+        if steps == 0:
+            raise ValueError(f"{tokens} tokens make no batch of {self.batch_tokens}")
+        return steps * self.batch_tokens
+
+    def warmup_for(self, total_steps: int) -> int:
+        if self.warmup_steps is not None:
+            return self.warmup_steps
+        return max(1, round(self.warmup_fraction * total_steps))
+
+    def lr_at(self, step: int, total_steps: int) -> float:
+        """The rate of step ``step`` (0-based) of ``total_steps``: warmup, constant, optional decay."""
+        decays = self.lr_schedule != "constant" and self.decay_fraction > 0
+        return scheduled_lr(
+            step,
+            total_steps,
+            self.lr,
+            warmup_steps=self.warmup_for(total_steps),
+            schedule=self.lr_schedule if decays else "constant",
+            decay_steps=max(1, round(self.decay_fraction * total_steps)),
+            floor=self.lr_floor,
+        )
+
+    def dead_window_for(self, total_tokens: int) -> int:
+        if self.dead_window_tokens is not None:
+            return self.dead_window_tokens
+        return max(self.batch_tokens, min(1_000_000, total_tokens // 8))
+
+
+@dataclass
+class FrontierConfig:
+    """What to compare. ``train_tokens`` are drawn from the 'train' side of ``text``'s document split;
+    held-out tokens from its 'eval' side (never the same documents) or from ``eval_text``."""
+
+    text: str | None = None  # training text: a file, folder or dataset (default: the bundled English text)
+    blocks: list[int] = field(default_factory=list, metadata={"alias": ["--layers"]})
+    """transformer blocks whose MLP to replace, each at every K in ks (--layers: its old name)"""
+    ks: list[int] = field(default_factory=lambda: [16, 32, 64])  # active units per token
+    grid: list[str] = field(default_factory=list)  # more points: "BLOCK:K,K[@SEED,SEED]", e.g. 25:32 15:32@1
+    eval_text: str | None = None  # held-out text (default: the 'eval' side of text's split)
+    cache: str | None = None  # activation cache folder, shareable between studies (default: OUT/cache)
+    width_multiplier: int = (
+        WIDTH_MULTIPLIER  # transcoder width m x d_model; MxD gets the experts that match its params
+    )
+    archs: list[str] | None = None  # keys of mxd_lens.ARCHITECTURES (default: every built-in one)
+    train_tokens: int = 1_000_000  # tokens cached from the train split
+    epochs: float = 1.0  # passes over them
+    eval_tokens: int = 25_600  # held-out tokens for CE, KL, FVU, L0, dead units
+    context_size: int = StreamConfig.context_size  # tokens per row (BOS included where the model uses one)
+    batch_tokens: int = TrainConfig.batch_tokens  # tokens per training step
+    lr: float = TrainConfig.lr  # Adam learning rate
+    warmup_steps: int | None = None  # None: the trainer's default fraction of the steps
+    rows_per_block: int = StreamConfig.rows_per_block  # token rows per cache shard
+    eval_batch_rows: int = 8  # token rows per evaluation forward
+    eval_fraction: float = StreamConfig.eval_fraction  # documents of text held out as its 'eval' side
+    split_seed: int = StreamConfig.split_seed  # seed of that document split
+    seed: int = 0  # seed of the layers and points with no @SEED
+    cache_dtype: str = "float32"  # float32, float16 or bfloat16 storage of the cache
+
+    def __post_init__(self) -> None:
+        from mxd_lens import data
+        from mxd_lens.layers import BUILT_IN, get_architecture
+
+        if self.text is None:
+            self.text = str(data.default_text())
+        if self.archs is None:
+            self.archs = list(BUILT_IN)
+        for arch in self.archs:
+            get_architecture(arch)  # a clear error for an unknown key
+        if not self.learners():
+            raise ValueError("give at least one block and one K (blocks and ks, or grid)")
+
+    def learners(self) -> list[tuple[int, int, int]]:
+        """(block, K, seed) for every point of the grid, in order, without repeats."""
+        points = [(block, k, self.seed) for block in self.blocks for k in self.ks]
+        for entry in self.grid:
+            block, sep, rest = entry.partition(":")
+            ks, _, seeds = rest.partition("@")
+            try:
+                parsed = [
+                    (int(block), int(k), int(s))
+                    for k in ks.split(",")
+                    for s in (seeds.split(",") if seeds else [self.seed])
+                ]
+            except ValueError:
+                parsed = []
+            if not sep or not parsed:
+                raise ValueError(f"grid entry {entry!r}: write BLOCK:K,K,...[@SEED,...], e.g. '15:32@1'")
+            points += parsed
+        return list(dict.fromkeys(points))
+
+    @property
+    def all_blocks(self) -> list[int]:
+        """Every block the study trains at (from ``blocks`` and ``grid``)."""
+        return sorted({block for block, _, _ in self.learners()})
+
+    @property
+    def steps(self) -> int:
+        return int(self.epochs * self.train_tokens) // self.batch_tokens
+
+    def train_config(self, seed: int) -> TrainConfig:
+        """The trainer's settings (the recipe's defaults but for these fields)."""
+        return TrainConfig(
+            total_tokens=self.steps * self.batch_tokens,
+            batch_tokens=self.batch_tokens,
+            lr=self.lr,
+            warmup_steps=self.warmup_steps,
+            seed=seed,
+            checkpoint_every=max(50, self.steps // 20),
+            log_every=max(1, self.steps // 50),
+        )
