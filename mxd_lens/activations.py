@@ -122,6 +122,9 @@ class ModelActivations:
             )
         self.model, self.layers, self.rows = model, sorted(set(layers)), rows
         self.text_info: dict[str, Any] | None = None  # set by from_text: where the rows come from
+        from mxd_lens.models import model_source
+
+        self.model_source = model_source(model)  # where the model came from (load_model's record)
         self.forward_rows = min(forward_rows, rows_per_block)
         self.info = StreamInfo(
             model_name=model.cfg.model_name,
@@ -380,6 +383,7 @@ def write_cache(
         "dtype": dtype,
         "text": text_info,
         "format": "mxd_lens.activation_cache.v1",
+        "model": getattr(source, "model_source", None),
     }
     with cache_lock(path):
         # Left by a killed run (no one else writes here while we hold the lock); block_*.tmp and
@@ -389,6 +393,8 @@ def write_cache(
         manifest_path = path / MANIFEST
         if manifest_path.exists():
             existing = json.loads(manifest_path.read_text())
+            if "model" not in existing:  # written before the model's source was recorded: not a difference
+                manifest.pop("model")
             if existing != manifest:
                 raise ValueError(
                     f"{path} already holds a cache made with different settings:\n  there: {existing}\n  asked: {manifest}\n"
@@ -508,6 +514,7 @@ class CachedActivations:
         self.info = StreamInfo(**manifest["stream"])
         self.dtype = manifest["dtype"]
         self.text_info = manifest.get("text")  # where the cached text came from, for overlap checks
+        self.model_source = manifest.get("model")  # where the model came from (None: an older cache)
         cached = set(self.info.layers)
         self.layers = sorted(set(layers)) if layers is not None else list(self.info.layers)
         if not set(self.layers) <= cached:

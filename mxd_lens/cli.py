@@ -10,7 +10,16 @@ from pathlib import Path
 from typing import Any, Literal
 
 # Only the light config module at import: `mxd-lens --help` must not wait for torch.
-from mxd_lens.config import DEFAULT_MODEL, WIDTH_MULTIPLIER, StreamConfig, TrainConfig
+from mxd_lens.config import (
+    DEFAULT_MODEL,
+    WIDTH_MULTIPLIER,
+    EvalConfig,
+    InspectStudy,
+    ProbingStudy,
+    SteeringStudy,
+    StreamConfig,
+    TrainConfig,
+)
 
 # Each subcommand's options are the fields of a dataclass (docstrings as help, defaults stated once):
 # the stream (StreamConfig), the training recipe (TrainConfig), and the command's own below.
@@ -110,6 +119,129 @@ class TrainCommand:
             raise ValueError(
                 f"--arch {' '.join(unknown)}: not a key of mxd_lens.ARCHITECTURES {list(ARCHITECTURES)}"
             )
+
+
+@dataclass
+class LayersArgument:
+    """The saved layers to read."""
+
+    layers: list[str] = field(metadata={"custom_args": {"nargs": "+"}, "positional": True})
+    """layer folders, or folders holding them (a trainer's final/, the frontier's runs/*/final)"""
+
+
+@dataclass
+class ModelOut:
+    """The model and where to write."""
+
+    model: str = DEFAULT_MODEL
+    """model name or path"""
+    out: str = "results"
+    """output folder (probe/steer/inspect write OUT/probing, OUT/steering, OUT/inspect)"""
+
+
+@dataclass
+class EvalModel:
+    """The model the layers replace MLPs of."""
+
+    model: str | None = None
+    """model name or path (default: the model the layers' training record names, else smollm2-135m)"""
+
+
+def _eval(args: argparse.Namespace) -> int:
+    """Splice each saved layer alone into the model on held-out text and measure ΔCE, KL, FVU, L0,
+    dead fraction and CE recovered; the results go into each layer's cfg.json (metadata.evaluation)
+    and an eval.json beside it, and a table is printed."""
+    import pandas as pd
+
+    from mxd_lens.evaluation import evaluate_saved
+    from mxd_lens.layers.io import layer_folders, load_layer
+    from mxd_lens.models import load_model
+
+    name = args.model.model
+    if name is None:  # the model the first layer was trained on, when load_model can name it
+        record = (load_layer(layer_folders(args.layers.layers)[0]).cfg.metadata.training or {}).get(
+            "model"
+        ) or {}
+        name = record.get("name") or DEFAULT_MODEL
+    try:
+        rows = evaluate_saved(load_model(name), args.layers.layers, args.eval)
+    except (ValueError, FileNotFoundError) as err:
+        raise SystemExit(f"mxd-lens eval: {err}") from None
+    table = pd.DataFrame(rows)
+    columns = ["name", "delta_ce", "kl", "fvu", "l0", "dead_fraction", "ce_recovered_zero", "tokens"]
+    print(table[[c for c in columns if c in table]].to_markdown(index=False, floatfmt=".4f"))
+    if args.eval.write:
+        print("\nrecorded in each layer's cfg.json (metadata.evaluation) and eval.json")
+    return 0
+
+
+def _info(args: argparse.Namespace) -> int:
+    """What a saved layer is: architecture and sizes, the model and hooks, how it was trained (config,
+    data and its digests, tokens, epochs, library version) and, once evaluated, its evaluation."""
+    from mxd_lens.layers.io import describe_layer, layer_folders
+
+    try:
+        folders = layer_folders(args.layers.layers)
+    except (ValueError, FileNotFoundError) as err:
+        raise SystemExit(f"mxd-lens info: {err}") from None
+    for folder in folders:
+        print(f"{folder}\n")
+        print(describe_layer(folder).to_markdown(index=False))
+        print()
+    return 0
+
+
+def _probe(args: argparse.Namespace) -> int:
+    """Sparse probing of saved layers on the offline suite (or SAEBench's): OUT/probing/{probing.csv,
+    summary.csv, paired.csv, probing.json, probing.png}."""
+    from mxd_lens.analysis.probing import run_probing_study
+    from mxd_lens.models import load_model
+
+    out = Path(args.where.out) / "probing"
+    results = run_probing_study(load_model(args.where.model), args.study, out, command=_command())
+    print(results["summary"].round(3).to_markdown())
+    if len(results["paired"]):
+        print("\nPaired differences in test accuracy (same task), mean over tasks:")
+        print(results["paired"].round(3).to_markdown(index=False))
+    print(f"\nwrote {out}/")
+    return 0
+
+
+def _steer(args: argparse.Namespace) -> int:
+    """Steer with each task's top probing feature, per layer at one K, scored offline:
+    OUT/steering/{steering.csv, steering.json, steering.png, contexts/}."""
+    from mxd_lens.analysis.steering import run_steering_study
+    from mxd_lens.models import load_model
+
+    out = Path(args.where.out) / "steering"
+    try:
+        table = run_steering_study(load_model(args.where.model), args.study, out, command=_command())
+    except ValueError as err:
+        raise SystemExit(f"mxd-lens steer: {err}") from None
+    print(table.drop(columns=["example"]).round(3).to_markdown(index=False))
+    print(f"\nwrote {out}/")
+    return 0
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    """Top-activating contexts of chosen experts / latents: OUT/inspect/NAME.csv and NAME.html."""
+    from mxd_lens.analysis.inspect import run_inspect_study
+    from mxd_lens.models import load_model
+
+    out = Path(args.where.out) / "inspect"
+    try:
+        table = run_inspect_study(load_model(args.where.model), args.study, out)
+    except ValueError as err:
+        raise SystemExit(f"mxd-lens inspect: {err}") from None
+    print(table.groupby("feature").head(3).to_markdown(index=False))
+    print(f"\nwrote {out}/")
+    return 0
+
+
+def _command() -> str:
+    import shlex
+
+    return shlex.join(["mxd-lens", *sys.argv[1:]])
 
 
 def _check(args: argparse.Namespace) -> int:
@@ -437,6 +569,36 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
             "--tokens or --epochs.",
             {"stream": StreamConfig, "train": TrainCommand, "config": TrainConfig},
             _train,
+        ),
+        "eval": (
+            "evaluate saved layers on held-out text and record the results in them",
+            _eval.__doc__,
+            {"layers": LayersArgument, "model": EvalModel, "eval": EvalConfig},
+            _eval,
+        ),
+        "info": (
+            "show what a saved layer is and how it was made",
+            _info.__doc__,
+            {"layers": LayersArgument},
+            _info,
+        ),
+        "probe": (
+            "sparse probing of saved layers",
+            _probe.__doc__,
+            {"study": ProbingStudy, "where": ModelOut},
+            _probe,
+        ),
+        "steer": (
+            "steering with saved layers, scored offline",
+            _steer.__doc__,
+            {"study": SteeringStudy, "where": ModelOut},
+            _steer,
+        ),
+        "inspect": (
+            "top-activating contexts of chosen features",
+            _inspect.__doc__,
+            {"study": InspectStudy, "where": ModelOut},
+            _inspect,
         ),
     }
     for name, (summary, description, options, func) in commands.items():

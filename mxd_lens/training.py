@@ -409,7 +409,9 @@ class Trainer(TrainingLoop):
             s_in, s_out = self.scales.get(learner.spec.block, (1.0, 1.0))
             layer.fold_activation_scales(s_in, s_out)
             history = learner.history[-1] if learner.history else {}
+            layer.cfg.metadata.mxd_lens_version = _version()
             layer.cfg.metadata.training = {
+                "model": getattr(self.source, "model_source", None),
                 "config": asdict(self.config),
                 "learner": asdict(learner.spec),
                 "tokens": self.tokens_seen,
@@ -538,6 +540,12 @@ class Trainer(TrainingLoop):
             json.dumps({name: learner.history for name, learner in self.learners.items()}, indent=1),
         )
         return paths
+
+
+def _version() -> str:
+    from mxd_lens import __version__
+
+    return __version__
 
 
 def _check_given(layer: MLPReplacement, spec: LearnerSpec, info: StreamInfo) -> None:

@@ -152,3 +152,52 @@ def test_import_mxd_lens_registers_with_saelens_in_either_order():
         )
         done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, (first, done.stderr[-2000:])
+
+
+def test_eval_records_results_in_the_layer_and_info_shows_the_provenance(tmp_path, text_model, capsys):
+    import json
+
+    from mxd_lens import __version__
+    from mxd_lens.evaluation import evaluate, held_out_batches
+    from mxd_lens.layers.io import load_layer
+    from mxd_lens.models import load_model
+
+    stream = ["--model", "tiny", "--text", str(text_model), "--context-size", "12", "--rows-per-block", "16"]
+    learn = ["--arch", "mxd", "--k", "2", "--tokens", "320", "--batch-tokens", "32", "--no-progress"]
+    assert main(["train", *stream, "--blocks", "1", *learn, "--out", str(tmp_path / "run")]) == 0
+    folder = tmp_path / "run" / "final" / "L1.mxd.k2.m8"
+    cfg = json.loads((folder / "cfg.json").read_text())["metadata"]
+    assert cfg["mxd_lens_version"] == __version__ and cfg["training"]["model"]["name"] == "tiny-gated"
+    assert cfg["training"]["data"]["digests"] and cfg["training"]["tokens"] == 320
+
+    assert (
+        main(
+            [
+                "eval",
+                str(tmp_path / "run" / "final"),
+                "--model",
+                "tiny",
+                "--eval-tokens",
+                "240",
+                "--context-size",
+                "12",
+            ]
+        )
+        == 0
+    )
+    record = json.loads((folder / "cfg.json").read_text())["metadata"]["evaluation"]
+    assert record == {k: v for k, v in json.loads((folder / "eval.json").read_text()).items() if k != "row"}
+    assert record["text"]["text"] == str(text_model) and record["text"]["split"] == "eval"
+    # the recorded numbers are evaluate()'s on the eval side of the layer's own split
+    model = load_model("tiny")
+    batches = held_out_batches(model, text_model, "eval", 240, 12, 8, 0.02, 0)
+    (row,) = evaluate(model, {"x": load_layer(folder)}, batches, progress=False)
+    for key in ("delta_ce", "kl", "fvu", "l0", "dead_fraction"):
+        assert record["metrics"][key] == pytest.approx(row[key], rel=1e-6, abs=1e-9), key
+    capsys.readouterr()
+    assert main(["info", str(folder)]) == 0
+    shown = capsys.readouterr().out
+    assert "eval: delta_ce" in shown and "digest of corpus.txt" in shown and "tokens seen" in shown
+    # the training text, all of it, overlaps what the layer was trained on: refused, named
+    with pytest.raises(SystemExit, match="L1.mxd.k2.m8: .*overlap"):
+        main(["eval", str(folder), "--model", "tiny", "--text", str(text_model), "--split", "all"])

@@ -16,7 +16,6 @@ groups), so the first block's results exist before the others are trained.
 
 from __future__ import annotations
 
-import itertools
 import json
 import logging
 import math
@@ -41,25 +40,13 @@ log = logging.getLogger(__name__)
 
 def eval_batches(model: Any, config: FrontierConfig) -> list[torch.Tensor]:
     """Held-out [rows, context] token batches: the 'eval' side of the split, ``eval_tokens`` in all."""
-    rows = data.TokenRows.for_model(model, config.context_size)
+    from mxd_lens.evaluation import held_out_batches
+
     if config.eval_text is not None:
-        texts = data.iter_texts(config.eval_text)
-    else:
-        texts = data.split_texts(
-            data.iter_texts(config.text), "eval", config.eval_fraction, config.split_seed
-        )
-    n_rows = max(1, math.ceil(config.eval_tokens / config.context_size))
-    held_out = list(itertools.islice(rows.rows(texts), n_rows))
-    if len(held_out) < n_rows:
-        log.warning(
-            "the held-out text holds %s tokens, fewer than the %s asked",
-            f"{len(held_out) * config.context_size:,}",
-            f"{config.eval_tokens:,}",
-        )
-    return [
-        torch.stack(held_out[i : i + config.eval_batch_rows])
-        for i in range(0, len(held_out), config.eval_batch_rows)
-    ]
+        return held_out_batches(model, config.eval_text, "all", config.eval_tokens, config.context_size,
+                                config.eval_batch_rows)  # fmt: skip
+    return held_out_batches(model, config.text, "eval", config.eval_tokens, config.context_size,
+                            config.eval_batch_rows, config.eval_fraction, config.split_seed)  # fmt: skip
 
 
 def write_frontier_cache(

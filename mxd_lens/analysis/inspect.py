@@ -19,7 +19,6 @@ import html
 import operator
 from collections import Counter
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +28,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from mxd_lens import hooks
+from mxd_lens.config import InspectStudy  # noqa: F401 (re-exported)
 from mxd_lens.layers.base import MLPReplacement, _atomic_write
 
 COLUMNS = ("feature", "rank", "activation", "token", "left", "right", "row", "position")
@@ -306,26 +306,6 @@ def _text(s: Any) -> str:
 
 
 # -- the study (analyses/inspect_features.py, the steering study, a notebook) -----------------------
-@dataclass
-class InspectStudy:
-    """Top-activating contexts of chosen experts / latents of one saved layer."""
-
-    layer: str
-    """a saved layer folder"""
-    features: list[int] = field(default_factory=list)
-    """feature indices (experts for MxD, latents for transcoders)"""
-    from_steering: str | None = None
-    """a steering.csv: also take the features the steering study chose for this layer"""
-    text: list[str] | None = None
-    """texts to read, an equal share of tokens from each (default: the bundled English text)"""
-    tokens: int = 100_000
-    """tokens to read in all"""
-    context_size: int = 128
-    """tokens per row, BOS first"""
-    n: int = 20
-    """contexts per feature"""
-
-
 def text_batches(
     model: Any, sources: Sequence[str | Path] | None, tokens: int, context_size: int, rows: int = 8
 ) -> Iterable[torch.Tensor]:

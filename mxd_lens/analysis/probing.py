@@ -19,9 +19,9 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -29,6 +29,7 @@ from tqdm.auto import tqdm
 
 from mxd_lens import hooks
 from mxd_lens.analysis.tasks import Examples, TaskSet, binary_task, splits
+from mxd_lens.config import ProbingStudy  # noqa: F401 (re-exported)
 from mxd_lens.fileio import atomic_write, atomic_write_text
 
 if TYPE_CHECKING:
@@ -412,28 +413,6 @@ def plot_probing(table: pd.DataFrame, labels: Mapping[str, str], path: str | Pat
 
 
 # -- the study (analyses/sparse_probing.py, a notebook) --------------------------------------------
-@dataclass
-class ProbingStudy:
-    """Sparse probing of saved layers on a task suite: which layer's codes name a concept in k features."""
-
-    layers: list[str]
-    """layer folders, or folders holding them (a trainer's final/, the frontier's runs/*/final)"""
-    suite: Literal["offline", "saebench"] = "offline"
-    """offline: the 38 one-vs-rest tasks over 8 datasets in data; saebench: SAEBench's datasets (hub)"""
-    data: str = "../shared/data/probing"
-    """folder of the offline suite's files"""
-    per_class: int | None = None
-    """examples per class (default: the suite's, 200)"""
-    ks: list[int] = field(default_factory=lambda: [1, 2, 5])
-    """probe sizes: features kept per probe"""
-    context_size: int = 128
-    """tokens per text, BOS included"""
-    batch_size: int = 16
-    """texts per model forward"""
-    seed: int = 0
-    """seed of the train/validation/test split"""
-
-
 def paired_comparisons(table: pd.DataFrame, labels: Mapping[str, str]) -> pd.DataFrame:
     """MxD against each other method at the same K: ``paired_difference`` per k, one block per pair."""
     import pandas as pd

@@ -21,7 +21,7 @@ import logging
 import math
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 
     from mxd_lens.layers.base import MLPReplacement
 
-NEUTRAL_PROMPT = "Let's talk about"
+from mxd_lens.config import DEFAULT_TASKS, NEUTRAL_PROMPT, SteeringStudy  # noqa: F401 (re-exported)
 
 log = logging.getLogger(__name__)
 
@@ -283,44 +283,6 @@ def plot_sweep(
 
 
 # -- the study (analyses/steering.py, a notebook) ---------------------------------------------------
-DEFAULT_TASKS = ("language_id/fr", "code_language/python", "bbc_news/sports", "fortunes_set2/startrek")
-
-
-@dataclass
-class SteeringStudy:
-    """Steer with the top probing feature of several tasks, for each layer at one K, and score each
-    generation offline: concept strength (a dense probe for the task's class against every other text
-    of the suite, reading the clean model's MLP input pooled over the generated tokens) and fluency
-    (the clean model's perplexity of the generated tokens)."""
-
-    layers: str
-    """folder of saved layers (a trainer's final/, the frontier's runs/*/final)"""
-    k: int = 32
-    """use the layers with this K"""
-    tasks: list[str] = field(default_factory=lambda: list(DEFAULT_TASKS))
-    """offline-suite tasks, as set/class"""
-    data: str = "../shared/data/probing"
-    """folder of the offline suite's files"""
-    per_class: int | None = None
-    """examples per class (default: the suite's; as in the probing run)"""
-    probing: str | None = None
-    """a pooled-activation cache to reuse (probing's OUT/pooled; default OUT/pooled)"""
-    multiples: list[float] = field(default_factory=lambda: [0.0, 2.0, 8.0, 32.0, 128.0])
-    """alpha in units of the feature's largest activation on the task's positive training texts"""
-    samples: int = 10
-    """generations per setting"""
-    new_tokens: int = 32
-    """tokens per generation"""
-    prompt: str = NEUTRAL_PROMPT
-    """the prompt every generation continues"""
-    seed: int = 0
-    """sampling seed"""
-    context_size: int = 128
-    """tokens per text read (the suite's texts, the top contexts), BOS included; as in probing"""
-    context_tokens: int = 100_000
-    """tokens of the bundled English text searched for each steered feature's top contexts (0: none)"""
-
-
 def steering_targets(
     model: HookedTransformer, study: SteeringStudy, layers: Mapping[str, MLPReplacement], store: Any
 ) -> list[dict[str, Any]]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from sae_lens.constants import SAE_CFG_FILENAME, SAE_WEIGHTS_FILENAME
 from safetensors import safe_open
@@ -50,16 +51,16 @@ def load_layer(path: str | Path, device: str = "cpu", dtype: str | None = None) 
     return SAE.load_from_disk(path, device=device, dtype=dtype)
 
 
-def load_layers(paths: str | Path | list[str | Path], device: str = "cpu") -> dict[str, MLPReplacement]:
-    """Layers by folder name from layer folders, or folders holding them one level down (as a
-    trainer's ``final/`` or the frontier's ``runs/*/final/``)."""
-    found: dict[str, MLPReplacement] = {}
+def layer_folders(paths: str | Path | list[str | Path]) -> list[Path]:
+    """Layer folders (with a cfg.json) among ``paths``, or one level down in them (as a trainer's
+    ``final/`` or the frontier's ``runs/*/final/``); a clear error for a path with none, or for two
+    layers of the same folder name."""
+    found: dict[str, Path] = {}
     for path in map(Path, [paths] if isinstance(paths, (str, Path)) else paths):
-        folders = (
-            [path]
-            if (path / SAE_CFG_FILENAME).is_file()
-            else sorted(p.parent for p in path.glob(f"*/{SAE_CFG_FILENAME}"))
-        )
+        if (path / SAE_CFG_FILENAME).is_file():
+            folders = [path]
+        else:
+            folders = sorted(p.parent for p in path.glob(f"*/{SAE_CFG_FILENAME}"))
         if not folders:
             raise FileNotFoundError(
                 f"{path}: no saved layer (a folder with {SAE_CFG_FILENAME}) here or one level down"
@@ -67,7 +68,68 @@ def load_layers(paths: str | Path | list[str | Path], device: str = "cpu") -> di
         for folder in folders:
             if folder.name in found:
                 raise ValueError(
-                    f"two layers are named {folder.name!r} ({folder}); give folders with distinct names"
+                    f"two layers are named {folder.name!r} ({found[folder.name]}, {folder}); give folders with distinct names"
                 )
-            found[folder.name] = load_layer(folder, device=device)
-    return found
+            found[folder.name] = folder
+    return list(found.values())
+
+
+def load_layers(paths: str | Path | list[str | Path], device: str = "cpu") -> dict[str, MLPReplacement]:
+    """Layers by folder name from layer folders, or folders holding them one level down (as a
+    trainer's ``final/`` or the frontier's ``runs/*/final/``)."""
+    return {folder.name: load_layer(folder, device=device) for folder in layer_folders(paths)}
+
+
+def describe_layer(folder: str | Path) -> Any:
+    """A saved layer's record as a two-column table (field, value), read from its cfg.json: the
+    architecture and sizes, model and hooks, the training record (config, data and digests, tokens,
+    epochs, the model's source, the library version) and, once ``mxd-lens eval`` ran, its results."""
+    import pandas as pd
+
+    path = Path(folder)
+    try:
+        cfg = json.loads((path / SAE_CFG_FILENAME).read_text())
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path} holds no {SAE_CFG_FILENAME}: not a saved layer") from None
+    meta = cfg.get("metadata") or {}
+    training = meta.get("training") or {}
+    evaluation = meta.get("evaluation") or {}
+    rows: list[tuple[str, Any]] = [
+        ("architecture", cfg.get("architecture")),
+        ("d_in -> d_out", f"{cfg.get('d_in')} -> {cfg.get('d_out')}"),
+        ("units (d_sae), K", f"{cfg.get('d_sae')}, {cfg.get('k')}"),
+        ("model", meta.get("model_name")),
+        ("hooks", f"{meta.get('hook_name')} -> {meta.get('hook_name_out')}"),
+        ("mxd-lens version", meta.get("mxd_lens_version")),
+    ]
+    source = training.get("model") or {}
+    for key in ("name", "kind", "sha256", "revision", "config_sha256"):
+        if key in source:
+            rows.append((f"model source: {key}", source[key]))
+    data = training.get("data") or {}
+    if data:
+        rows.append(("training text", f"{data.get('text')} ({data.get('split')} side, eval fraction "
+                                       f"{data.get('eval_fraction')}, split seed {data.get('split_seed')})"))  # fmt: skip
+        for name, digest in (data.get("digests") or {}).items():
+            rows.append((f"digest of {name}", digest))
+    if training:
+        rows += [("tokens seen", f"{training.get('tokens', 0):,}"), ("steps", training.get("steps")),
+                 ("epochs", None if training.get("epochs") is None else f"{training['epochs']:.2f}")]  # fmt: skip
+        for key, value in (training.get("config") or {}).items():
+            if value is not None:
+                rows.append((f"train: {key}", value))
+        for key, value in (training.get("metrics") or {}).items():
+            rows.append((f"last training {key}", f"{value:.4g}"))
+    if evaluation:
+        text = evaluation.get("text") or {}
+        rows.append(
+            (
+                "evaluated on",
+                f"{text.get('text')} ({text.get('split')} side), {evaluation.get('tokens', 0):,} tokens",
+            )
+        )
+        for key, value in (evaluation.get("metrics") or {}).items():
+            rows.append((f"eval: {key}", f"{value:.4g}" if isinstance(value, float) else value))
+    else:
+        rows.append(("evaluation", "none yet (mxd-lens eval FOLDER)"))
+    return pd.DataFrame([(k, "—" if v is None else str(v)) for k, v in rows], columns=["field", "value"])
