@@ -16,6 +16,7 @@ from mxd_lens.config import (
     EvalConfig,
     InspectStudy,
     ProbingStudy,
+    PublishConfig,
     SteeringStudy,
     StreamConfig,
     TrainConfig,
@@ -235,6 +236,23 @@ def _inspect(args: argparse.Namespace) -> int:
         raise SystemExit(f"mxd-lens inspect: {err}") from None
     print(table.groupby("feature").head(3).to_markdown(index=False))
     print(f"\nwrote {out}/")
+    return 0
+
+
+def _publish(args: argparse.Namespace) -> int:
+    """Upload saved layers to the Hugging Face hub in one commit: <sae_id>/cfg.json and
+    sae_weights.safetensors per layer (sae_id = its folder's name) and a model card with each layer's
+    training record and evaluation. After `import mxd_lens`, SAE.from_pretrained(REPO_ID, SAE_ID)
+    loads them. --dry-run DIR writes the exact files and uploads nothing."""
+    from mxd_lens.hub import publish
+
+    config = args.publish
+    try:
+        where = publish(args.layers.layers, config.repo_id, dry_run=config.dry_run, private=config.private,
+                        revision=config.revision)  # fmt: skip
+    except (ValueError, FileNotFoundError, FileExistsError) as err:
+        raise SystemExit(f"mxd-lens publish: {err}") from None
+    print(f"wrote {where}" if config.dry_run else f"uploaded: {where}")
     return 0
 
 
@@ -575,6 +593,12 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
             _eval.__doc__,
             {"layers": LayersArgument, "model": EvalModel, "eval": EvalConfig},
             _eval,
+        ),
+        "publish": (
+            "upload saved layers to the Hugging Face hub (SAELens layout, model card)",
+            _publish.__doc__,
+            {"layers": LayersArgument, "publish": PublishConfig},
+            _publish,
         ),
         "info": (
             "show what a saved layer is and how it was made",

@@ -379,3 +379,17 @@ class InspectStudy:
     """tokens per row, BOS first"""
     n: int = 20
     """contexts per feature"""
+
+
+@dataclass
+class PublishConfig:
+    """Publish saved layers to the Hugging Face hub in SAELens's layout (``mxd_lens.hub.publish``)."""
+
+    repo_id: str
+    """the hub repository, user_or_org/name (created if needed)"""
+    dry_run: str | None = None
+    """write the files to this folder and upload nothing"""
+    private: bool = False
+    """create the repository private"""
+    revision: str | None = None
+    """branch to commit to (default: main)"""

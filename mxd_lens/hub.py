@@ -1,0 +1,158 @@
+"""Share layers through the Hugging Face hub, in SAELens's layout.
+
+``publish(["runs/l15/final"], "user/smollm2-mxd")`` stages one folder per layer
+(``<sae_id>/cfg.json``, ``<sae_id>/sae_weights.safetensors``, ``sae_id`` = the layer folder's name)
+and a generated ``README.md`` (model card: what each layer is, how it was trained, its evaluation
+table, how to load it), then uploads them in one commit with ``huggingface_hub.HfApi.upload_folder``.
+``dry_run=DIR`` writes exactly those files to DIR and uploads nothing.
+
+Loading needs nothing of ours but the import::
+
+    import mxd_lens  # registers our architectures with SAELens
+    from sae_lens import SAE
+    layer = SAE.from_pretrained("user/smollm2-mxd", "L15.mxd.k32.m8")
+
+(SAELens reads ``<sae_id>/cfg.json`` and its weights with ``hf_hub_download``, so a hub cache
+populated once also loads offline with ``HF_HUB_OFFLINE=1``.)
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from mxd_lens.layers.io import layer_folders
+
+FILES = ("cfg.json", "sae_weights.safetensors")
+
+
+def stage(paths: str | Path | Sequence[str | Path], repo_id: str, folder: str | Path) -> Path:
+    """Write the repository's files for the layers under ``paths`` into ``folder`` (which must be
+    empty or absent): a folder per layer and README.md. Returns ``folder``."""
+    _check_repo_id(repo_id)
+    layers = layer_folders(paths)
+    folder = Path(folder)
+    if folder.exists() and any(folder.iterdir()):
+        raise FileExistsError(f"{folder} is not empty; stage into a new folder")
+    folder.mkdir(parents=True, exist_ok=True)
+    cards = []
+    for layer in layers:
+        (folder / layer.name).mkdir()
+        for name in FILES:
+            shutil.copy2(layer / name, folder / layer.name / name)
+        cards.append((layer.name, json.loads((layer / "cfg.json").read_text())))
+    (folder / "README.md").write_text(model_card(repo_id, cards), encoding="utf-8")
+    return folder
+
+
+def publish(
+    paths: str | Path | Sequence[str | Path],
+    repo_id: str,
+    *,
+    dry_run: str | Path | None = None,
+    private: bool = False,
+    revision: str | None = None,
+    commit_message: str | None = None,
+    api: Any = None,
+) -> Path | str:
+    """Stage the layers under ``paths`` and upload them to ``repo_id`` in one commit (the repository
+    is created if needed). With ``dry_run=DIR`` only the files are written there (returned). Returns
+    the commit's URL otherwise. ``api`` is a ``huggingface_hub.HfApi`` (default: a new one, which
+    reads your token as the hub client does)."""
+    if dry_run is not None:
+        return stage(paths, repo_id, dry_run)
+    if api is None:
+        from huggingface_hub import HfApi
+
+        api = HfApi()
+    with tempfile.TemporaryDirectory() as tmp:
+        staged = stage(paths, repo_id, Path(tmp) / "repo")
+        names = sorted(p.name for p in staged.iterdir() if p.is_dir())
+        api.create_repo(repo_id, private=private, exist_ok=True)
+        commit = api.upload_folder(
+            folder_path=staged,
+            repo_id=repo_id,
+            revision=revision,
+            commit_message=commit_message or f"mxd-lens: upload {', '.join(names)}",
+        )
+    return getattr(commit, "commit_url", str(commit))
+
+
+def model_card(repo_id: str, layers: Sequence[tuple[str, dict[str, Any]]]) -> str:
+    """README.md for the repository: front matter SAELens and the hub read, a table of the layers
+    (what, where, K, units, training tokens, evaluation), their training text and how to load one."""
+    import pandas as pd
+
+    rows, notes = [], []
+    models = sorted({cfg.get("metadata", {}).get("model_name") or "?" for _, cfg in layers})
+    for sae_id, cfg in layers:
+        meta = cfg.get("metadata", {})
+        training = meta.get("training") or {}
+        evaluation = meta.get("evaluation") or {}
+        metrics = evaluation.get("metrics") or {}
+        row = {
+            "sae_id": f"`{sae_id}`",
+            "architecture": cfg.get("architecture", "?").removeprefix("mxd_lens."),
+            "hook (in -> out)": f"{meta.get('hook_name')} -> {meta.get('hook_name_out')}",
+            "K": cfg.get("k"),
+            "units": cfg.get("d_sae"),
+            "training tokens": f"{training['tokens']:,}" if "tokens" in training else "—",
+        }
+        for key, label, fmt in (("delta_ce", "ΔCE", "{:+.4f}"), ("kl", "KL", "{:.4f}"), ("fvu", "FVU", "{:.3f}"),
+                                ("l0", "L0", "{:.1f}"), ("dead_fraction", "dead", "{:.1%}"),
+                                ("ce_recovered_zero", "CE recovered (zero-abl.)", "{:.3f}")):  # fmt: skip
+            row[label] = fmt.format(metrics[key]) if key in metrics else "—"
+        rows.append(row)
+        data = training.get("data") or {}
+        if data:
+            notes.append(f"- `{sae_id}`: trained on the {data.get('split')} side of `{Path(str(data.get('text'))).name}` "
+                         f"(digests {', '.join(f'{k} {v}' for k, v in (data.get('digests') or {}).items())})"
+                         + (f"; evaluated on {evaluation.get('tokens', 0):,} held-out tokens of "
+                            f"`{Path(str((evaluation.get('text') or {}).get('text'))).name}`" if evaluation else "; not evaluated"))  # fmt: skip
+    table = pd.DataFrame(rows).to_markdown(index=False, disable_numparse=True)
+    example = layers[0][0]
+    return "\n".join(
+        [
+            "---",
+            "library_name: saelens",
+            "tags:",
+            "- mxd-lens",
+            "- sparse-autoencoder",
+            "- transcoder",
+            "---",
+            "",
+            f"# {repo_id}",
+            "",
+            f"MLP replacements for {', '.join(models)}, trained with "
+            "mxd-lens (Mixture of Decoders, TopK transcoders, skip transcoders). "
+            "Each folder replaces one MLP: it reads the MLP input and writes `hook_mlp_out`. ΔCE is the "
+            "spliced model's next-token loss minus the clean model's on held-out text (lower is better).",
+            "",
+            table,
+            "",
+            *notes,
+            "",
+            "## Load",
+            "",
+            "```python",
+            "import mxd_lens  # registers the mxd-lens architectures with SAELens (needed before loading)",
+            "from sae_lens import SAE",
+            "",
+            f'layer = SAE.from_pretrained("{repo_id}", "{example}")',
+            "```",
+            "",
+            "Every `cfg.json` carries the training record (`metadata.training`: model source, config, data "
+            "digests, tokens) and the evaluation (`metadata.evaluation`); `mxd-lens info FOLDER` prints them.",
+            "",
+        ]
+    )
+
+
+def _check_repo_id(repo_id: str) -> None:
+    parts = repo_id.split("/")
+    if len(parts) != 2 or not all(parts):
+        raise ValueError(f"repo_id {repo_id!r} must be 'user_or_org/name'")
