@@ -14,6 +14,7 @@ from mxd_lens.config import (
     DEFAULT_MODEL,
     WIDTH_MULTIPLIER,
     EvalConfig,
+    ExportConfig,
     InspectStudy,
     ProbingStudy,
     PublishConfig,
@@ -253,6 +254,20 @@ def _publish(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError, FileExistsError) as err:
         raise SystemExit(f"mxd-lens publish: {err}") from None
     print(f"wrote {where}" if config.dry_run else f"uploaded: {where}")
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    """Write saved TopK transcoders / skip transcoders (one per block) as a circuit-tracer
+    transcoder set: config.yaml and layer_{block}.safetensors (W_enc, W_dec, b_enc, b_dec, W_skip).
+    An MxD has no fixed decoder vectors, so it cannot be exported (use expert attribution)."""
+    from mxd_lens.export import export_circuit_tracer
+
+    try:
+        out = export_circuit_tracer(args.layers.layers, args.export.out)
+    except (ValueError, TypeError, FileNotFoundError) as err:
+        raise SystemExit(f"mxd-lens export: {err}") from None
+    print(f"wrote {out}/config.yaml and {', '.join(sorted(p.name for p in out.glob('layer_*.safetensors')))}")
     return 0
 
 
@@ -599,6 +614,12 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
             _publish.__doc__,
             {"layers": LayersArgument, "publish": PublishConfig},
             _publish,
+        ),
+        "export": (
+            "export transcoders to circuit-tracer's transcoder-set format",
+            _export.__doc__,
+            {"layers": LayersArgument, "export": ExportConfig},
+            _export,
         ),
         "info": (
             "show what a saved layer is and how it was made",

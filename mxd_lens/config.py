@@ -393,3 +393,13 @@ class PublishConfig:
     """create the repository private"""
     revision: str | None = None
     """branch to commit to (default: main)"""
+
+
+@dataclass
+class ExportConfig:
+    """Export saved TopK transcoders / skip transcoders to another tool's format."""
+
+    out: str
+    """output folder"""
+    format: Literal["circuit-tracer"] = "circuit-tracer"
+    """circuit-tracer: its transcoder-set layout (config.yaml, layer_{block}.safetensors)"""
