@@ -1,4 +1,4 @@
-"""The README's Python example runs as written, on a tiny GPT-2-like model standing in for the hub's."""
+"""The README's Python example runs as written, on a tiny gated model standing in for the default one."""
 
 from __future__ import annotations
 
@@ -7,15 +7,16 @@ from pathlib import Path
 
 import torch
 from conftest import make_text_model
-from transformer_lens import HookedTransformer
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
 
 def test_the_readme_example_runs_as_written(tmp_path, monkeypatch):
     (block,) = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
-    model, _ = make_text_model(tmp_path, kind="gpt2")
-    monkeypatch.setattr(HookedTransformer, "from_pretrained", classmethod(lambda cls, name, **kw: model))
+    import mxd_lens.models
+
+    model, _ = make_text_model(tmp_path, kind="gated")
+    monkeypatch.setattr(mxd_lens.models, "load_model", lambda *args, **kw: model)
     monkeypatch.chdir(tmp_path)
     namespace: dict = {}
     exec(compile(block, str(README), "exec"), namespace)
