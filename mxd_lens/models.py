@@ -21,6 +21,7 @@ fixed separator that activation pipelines drop, not a token of text. docs/models
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import inspect
@@ -351,7 +352,7 @@ def _load_folder(
     # Special tokens are set at load: TL rebuilds the tokenizer from its init kwargs (to add BOS),
     # and setting tokenizer.bos_token afterwards would not change what it prepends.
     tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True, **special_tokens)
-    with _neutral_name(folder) as tl_name:
+    with _neutral_name(folder) as tl_name, _config_by_family(architecture, hf_model.config):
         try:
             cfg = get_pretrained_model_config(
                 tl_name,
@@ -401,6 +402,95 @@ def _neutral_name(folder: Path) -> Iterator[str]:
     with tempfile.TemporaryDirectory(prefix="mxd_lens_") as tmp:
         (Path(tmp) / "config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
         yield tmp
+
+
+# Families TL 3.9 builds only from an official name's hard-coded config (a local folder of them gets
+# "Gemma3ForCausalLM is not currently supported"): a template official name, whose config is then
+# made the folder's own by ``_family_config``.
+_BY_NAME_ONLY = {
+    "Gemma2ForCausalLM": "google/gemma-2-2b",
+    "Gemma3ForCausalLM": "google/gemma-3-270m",
+    "GemmaForCausalLM": "google/gemma-2b",
+}
+
+
+@contextlib.contextmanager
+def _config_by_family(architecture: str, hf_config: Any) -> Iterator[None]:
+    """For a family TL knows only by official names, have TL's ``convert_hf_model_config`` return
+    the folder's own config (``_family_config``) while the model is built; otherwise nothing."""
+    if architecture not in _BY_NAME_ONLY:
+        yield
+        return
+    from transformer_lens import loading_from_pretrained as tl_loading
+
+    cfg_dict = _family_config(architecture, hf_config)
+    original = tl_loading.convert_hf_model_config
+    tl_loading.convert_hf_model_config = lambda *args, **kwargs: dict(cfg_dict)
+    try:
+        yield
+    finally:
+        tl_loading.convert_hf_model_config = original
+
+
+def _family_config(architecture: str, hf: Any) -> dict[str, Any]:
+    """TL's config dict for a folder of a by-name-only family: the template official model's (its
+    architecture's constants: activation, norms, soft caps, QK norm, ...) with every size and
+    per-layer setting read from the folder's config.json."""
+    from transformer_lens.loading_from_pretrained import convert_hf_model_config
+
+    cfg = dict(convert_hf_model_config(_BY_NAME_ONLY[architecture]))
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+    cfg.update(
+        d_model=hf.hidden_size,
+        d_head=head_dim,
+        n_heads=hf.num_attention_heads,
+        n_key_value_heads=getattr(hf, "num_key_value_heads", hf.num_attention_heads),
+        d_mlp=hf.intermediate_size,
+        n_layers=hf.num_hidden_layers,
+        n_ctx=min(hf.max_position_embeddings, cfg.get("n_ctx", hf.max_position_embeddings)),
+        eps=getattr(hf, "rms_norm_eps", cfg.get("eps")),
+        d_vocab=hf.vocab_size,
+        act_fn=getattr(hf, "hidden_activation", None) or getattr(hf, "hidden_act", None) or cfg["act_fn"],
+    )
+    rope = getattr(hf, "rope_parameters", None) or {}
+    if isinstance(rope, dict) and "full_attention" in rope:  # per attention type (Gemma-3, transformers 5)
+        cfg["rotary_base"] = rope["full_attention"].get("rope_theta", cfg.get("rotary_base"))
+        if "sliding_attention" in rope:
+            cfg["rotary_base_local"] = rope["sliding_attention"].get(
+                "rope_theta", cfg.get("rotary_base_local")
+            )
+    elif isinstance(rope, dict) and "rope_theta" in rope:
+        cfg["rotary_base"] = rope["rope_theta"]
+    elif getattr(hf, "rope_theta", None) is not None:
+        cfg["rotary_base"] = hf.rope_theta
+    if getattr(hf, "rope_local_base_freq", None) is not None:
+        cfg["rotary_base_local"] = hf.rope_local_base_freq
+    if "rotary_dim" in cfg:
+        cfg["rotary_dim"] = head_dim
+    layer_types = getattr(hf, "layer_types", None)
+    if layer_types:
+        cfg["attn_types"] = ["local" if t == "sliding_attention" else "global" for t in layer_types]
+    elif "attn_types" in cfg:
+        cfg["attn_types"] = [
+            cfg["attn_types"][i % len(cfg["attn_types"])] for i in range(hf.num_hidden_layers)
+        ]
+    if getattr(hf, "sliding_window", None) is not None and "window_size" in cfg:
+        cfg["window_size"] = hf.sliding_window
+    for tl_key, hf_key in (
+        ("attn_scores_soft_cap", "attn_logit_softcapping"),
+        ("output_logits_soft_cap", "final_logit_softcapping"),
+    ):
+        if tl_key in cfg or getattr(hf, hf_key, None) is not None:
+            value = getattr(hf, hf_key, None)
+            if value is None:
+                cfg.pop(tl_key, None)
+            else:
+                cfg[tl_key] = float(value)
+    scalar = getattr(hf, "query_pre_attn_scalar", None)
+    if scalar is not None and scalar != head_dim:
+        cfg["attn_scale"] = float(scalar) ** 0.5  # TL divides scores by attn_scale (default sqrt(d_head))
+    cfg["tokenizer_name"] = None
+    return cfg
 
 
 # Fields TL 3.9 reads under names transformers 5 no longer writes, per model_type: {TL's: current}.

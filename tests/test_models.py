@@ -380,3 +380,45 @@ def test_a_config_tl_cannot_read_is_explained(tmp_path, monkeypatch):
         ValueError, match=r"TransformerLens .* cannot read .*config\.json \(GPT2LMHeadModel\).*n_ctx"
     ):
         models.load_model(str(tmp_path / "gpt2-tiny"))
+
+
+def _tiny_folder(tmp_path, family):
+    """A tiny random Hugging Face folder of ``family``, as save_pretrained writes it, with a tokenizer."""
+    import transformers
+    from conftest import WORDS, make_tokenizer
+
+    tok = make_tokenizer([" ".join(WORDS)])
+    common = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                  num_attention_heads=4, max_position_embeddings=64)  # fmt: skip
+    configs = {
+        "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(vocab_size=len(tok), n_embd=64, n_layer=3, n_head=4, n_positions=64)),
+        "llama": ("LlamaConfig", "LlamaForCausalLM", dict(common, num_key_value_heads=2)),
+        "pythia": ("GPTNeoXConfig", "GPTNeoXForCausalLM", dict(common)),
+        "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(common, num_key_value_heads=2, head_dim=16)),
+        "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(common, num_key_value_heads=2, head_dim=16, sliding_window=4)),
+        "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(common, num_key_value_heads=2, head_dim=16, sliding_window=4)),
+    }  # fmt: skip
+    config_name, model_name, kwargs = configs[family]
+    torch.manual_seed(0)
+    model = getattr(transformers, model_name)(getattr(transformers, config_name)(**kwargs)).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2)  # non-trivial norms and biases too
+    folder = tmp_path / family
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder, model, len(tok)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama", "pythia", "gemma", "gemma2", "gemma3"])
+def test_local_folders_of_every_documented_family_load_and_match_transformers(tmp_path, family):
+    """Gemma-1/2/3 are the families TL builds only from an official name's hard-coded config; a local
+    folder of them gets its own sizes and per-layer attention (sliding window 4 < 12 tokens here)."""
+    from mxd_lens.models import load_model
+
+    folder, hf, vocab = _tiny_folder(tmp_path, family)
+    model = load_model(str(folder))
+    tokens = torch.randint(3, vocab, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens), hf(tokens).logits, rtol=1e-4, atol=1e-4)
+    assert model.mxd_lens_source["kind"] == "hf_folder" and len(model.mxd_lens_source["config_sha256"]) == 64
