@@ -24,29 +24,27 @@ from mxd_lens import logs  # noqa: F401 (the mxd_lens logger's default handler)
 
 __version__ = "0.1.0"
 
+LAYER_NAMES = (  # what mxd_lens.layers exports (its __all__ is this tuple)
+    "ARCHITECTURES",
+    "BUILT_IN",
+    "LayerConfig",
+    "MLPReplacement",
+    "MxD",
+    "MxDConfig",
+    "TopKSkipTranscoder",
+    "TopKSkipTranscoderConfig",
+    "TopKTranscoder",
+    "TopKTranscoderConfig",
+    "architecture_key",
+    "get_architecture",
+    "register",
+    "register_architecture",
+)
 _WHERE = {  # public name -> the module that defines it
     **dict.fromkeys(["capture_mlp_io", "layer_metadata", "splice"], "mxd_lens.hooks"),
     **dict.fromkeys(["load_layer", "load_layers"], "mxd_lens.layers.io"),
     "match_experts": "mxd_lens.matching",
-    **dict.fromkeys(
-        [
-            "ARCHITECTURES",
-            "BUILT_IN",
-            "LayerConfig",
-            "MLPReplacement",
-            "MxD",
-            "MxDConfig",
-            "TopKSkipTranscoder",
-            "TopKSkipTranscoderConfig",
-            "TopKTranscoder",
-            "TopKTranscoderConfig",
-            "architecture_key",
-            "get_architecture",
-            "register",
-            "register_architecture",
-        ],
-        "mxd_lens.layers",
-    ),
+    **dict.fromkeys(LAYER_NAMES, "mxd_lens.layers"),
 }
 __all__ = sorted(_WHERE)
 _RENAMED = ("Transcoder", "TranscoderConfig", "SkipTranscoder", "SkipTranscoderConfig")  # deprecated

@@ -2,10 +2,18 @@
 
 from typing import Any
 
-from mxd_lens.layers.base import LayerConfig, MLPReplacement
-from mxd_lens.layers.mxd import MxD, MxDConfig
-from mxd_lens.layers.registry import ARCHITECTURES, architecture_key, get_architecture, register_architecture
-from mxd_lens.layers.transcoder import (
+from mxd_lens import LAYER_NAMES
+
+# Re-exported (``__all__`` is ``mxd_lens.LAYER_NAMES``, so the top-level lazy namespace and this one agree):
+from mxd_lens.layers.base import LayerConfig, MLPReplacement  # noqa: F401
+from mxd_lens.layers.mxd import MxD, MxDConfig  # noqa: F401
+from mxd_lens.layers.registry import (  # noqa: F401
+    ARCHITECTURES,
+    architecture_key,
+    get_architecture,
+    register_architecture,
+)
+from mxd_lens.layers.transcoder import (  # noqa: F401
     TopKSkipTranscoder,
     TopKSkipTranscoderConfig,
     TopKTranscoder,
@@ -30,19 +38,4 @@ def __getattr__(name: str) -> Any:
 register()  # importing the layers registers them: `import mxd_lens` arranges it when SAELens loads
 
 
-__all__ = [
-    "ARCHITECTURES",
-    "BUILT_IN",
-    "LayerConfig",
-    "MLPReplacement",
-    "MxD",
-    "MxDConfig",
-    "TopKSkipTranscoder",
-    "TopKSkipTranscoderConfig",
-    "TopKTranscoder",
-    "TopKTranscoderConfig",
-    "architecture_key",
-    "get_architecture",
-    "register",
-    "register_architecture",
-]
+__all__ = list(LAYER_NAMES)
