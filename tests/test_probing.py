@@ -250,3 +250,43 @@ def test_probing_study_writes_its_tables_and_pairs_by_k(text_model, tmp_path):
         row = out["paired"][(out["paired"].k == k)].iloc[0]
         assert row.comparison == "MxD - Transcoder" and row.K == 4
         assert row.mean_difference == pytest.approx((acc["mxd"] - acc["tc"]).mean())
+
+
+def test_hf_sources_read_local_datasets_in_saebench_layouts(tmp_path):
+    """SAEBench's layouts, as local dataset folders: one text and one label column (bias_in_bios),
+    a config per language with the text at translation.<lang> (europarl), a header skip (github code)."""
+    from mxd_lens.analysis.tasks import SAEBENCH, HFSource, TaskSet
+
+    def write(folder, configs):
+        lines = ["---", "configs:"]
+        for name, rows in configs.items():
+            (folder / name).mkdir(parents=True)
+            (folder / name / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+            lines += [f"- config_name: {name}", f"  data_files: {name}/train.jsonl"]
+        (folder / "README.md").write_text("\n".join([*lines, "---", ""]))
+
+    bios = tmp_path / "bios"
+    write(bios, {"default": [{"hard_text": f"bio {i} {'x' * i}", "profession": i % 3} for i in range(30)]})
+    loaded = TaskSet("bios", ("0", "2"), 6, hf=HFSource(str(bios), "hard_text", "profession")).load()
+    assert loaded.labels == ["0"] * 6 + ["2"] * 6
+    assert all(int(t.split()[1]) % 3 == int(c) for t, c in zip(loaded.texts, loaded.labels, strict=True))
+
+    europarl = tmp_path / "europarl"
+    write(europarl, {"en-fr": [{"translation": {"en": f"hello {i}", "fr": f"bonjour {i}"}} for i in range(8)],
+                     "fr-it": [{"translation": {"fr": f"salut {i}", "it": f"ciao {i}"}} for i in range(8)]})  # fmt: skip
+    source = HFSource(str(europarl), "translation.{label}", class_configs={"en": "en-fr", "fr": "fr-it"})
+    loaded = TaskSet("europarl", ("en", "fr"), 5, hf=source).load()
+    assert loaded.labels == ["en"] * 5 + ["fr"] * 5
+    assert all(t.startswith("hello") for t in loaded.texts[:5]) and all(
+        t.startswith("salut") for t in loaded.texts[5:]
+    )
+    # SAEBench's own europarl entry has the same shape (a config per language, translation.<lang>)
+    (ours,) = [s for s in SAEBENCH if s.name == "europarl"]
+    assert ours.hf.text_field == "translation.{label}" and ours.hf.class_configs["fr"] == "fr-it"
+
+    code = tmp_path / "code"
+    write(code, {"default": [{"code": "#" * 10 + ("print(1)" if i % 2 else "int main;") * 3, "language": "Python" if i % 2 else "C"} for i in range(20)]})  # fmt: skip
+    loaded = TaskSet(
+        "code", ("C", "Python"), 5, hf=HFSource(str(code), "code", "language", skip_chars=10, min_chars=5)
+    ).load()
+    assert all(not t.startswith("#") for t in loaded.texts)

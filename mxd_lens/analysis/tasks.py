@@ -13,6 +13,7 @@ as Hugging Face sources; ``offline_suite(root)`` builds 38 tasks over 8 datasets
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 from collections import defaultdict
@@ -26,15 +27,26 @@ from mxd_lens.data import _open
 
 @dataclass(frozen=True)
 class HFSource:
-    """Where a task set's examples live on the Hugging Face hub. ``label_names`` maps the stored label
-    (e.g. an integer class id) to the class name used in ``TaskSet.classes``."""
+    """Where a task set's examples live on the Hugging Face hub (or a local dataset folder in the same
+    layout), read with ``datasets.load_dataset(path, config, split=split, streaming=True)``.
+
+    ``label_names`` maps the stored label (e.g. an integer class id) to the class name used in
+    ``TaskSet.classes``. Two layouts besides one text and one label column, as SAEBench reads them:
+    ``class_configs`` gives each class its own config with the label implied (Europarl: French
+    sentences from the ``fr-it`` pair, the text at ``translation.fr``: ``text_field`` may name a dotted
+    path, with ``{label}`` for the class), and ``skip_chars`` drops each text's first characters
+    (GitHub code: the licence header) keeping texts longer than ``min_chars`` only."""
 
     path: str
     text_field: str
-    label_field: str
+    label_field: str | None = None
     split: str = "train"
     config: str | None = None
     label_names: dict[str, str] = field(default_factory=dict)
+    class_configs: dict[str, str] = field(default_factory=dict)
+    skip_chars: int = 0
+    min_chars: int = 0
+    load_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -75,7 +87,7 @@ class TaskSet:
     def load(self, root: str | Path | None = None) -> Examples:
         """The examples, ``per_class`` of each class, in a fixed order (class by class)."""
         if self.hf is not None:
-            rows = _hf_rows(self.hf)
+            rows = _hf_rows(self.hf, self.classes, self.per_class)
             where = f"hf:{self.hf.path}"
         else:
             path = Path(self.file)
@@ -140,13 +152,42 @@ def _jsonl_rows(path: Path) -> Iterator[tuple[str, str]]:
             yield str(row["text"]), str(row["label"])
 
 
-def _hf_rows(source: HFSource) -> Iterator[tuple[str, str]]:
+def _hf_rows(
+    source: HFSource, classes: Sequence[str] = (), per_class: int | None = None
+) -> Iterator[tuple[str, str]]:
+    """(text, class) pairs of ``source``; with ``class_configs``, each wanted class's config in turn."""
     import datasets
 
-    rows = datasets.load_dataset(source.path, source.config, split=source.split, streaming=True)
-    for row in rows:
-        label = str(row[source.label_field])
-        yield str(row[source.text_field]), source.label_names.get(label, label)
+    def field_of(row: Any, path: str, label: str) -> Any:
+        for key in path.format(label=label).split("."):
+            row = row[key]
+        return row
+
+    def texts(config: str | None, label: str | None) -> Iterator[tuple[str, str]]:
+        rows = datasets.load_dataset(
+            source.path, config, split=source.split, streaming=True, **source.load_kwargs
+        )
+        for row in rows:
+            stored = label if label is not None else str(row[source.label_field])
+            text = str(field_of(row, source.text_field, stored))
+            if source.skip_chars or source.min_chars:
+                if len(text) <= source.min_chars + source.skip_chars:
+                    continue
+                text = text[source.skip_chars :]
+            yield text, source.label_names.get(stored, stored)
+
+    if source.class_configs:
+        for label in classes:
+            if label not in source.class_configs:
+                raise ValueError(
+                    f"{source.path}: no config for class {label!r} (class_configs has {list(source.class_configs)})"
+                )
+            kept = (pair for pair in texts(source.class_configs[label], label) if pair[0].strip())
+            yield from itertools.islice(kept, per_class)  # each class's stream stops once it has enough
+    else:
+        if source.label_field is None:
+            raise ValueError(f"{source.path}: give label_field, or class_configs (a config per class)")
+        yield from texts(source.config, None)
 
 
 def splits(
@@ -228,9 +269,11 @@ SAEBENCH: list[TaskSet] = [
     TaskSet("bias_in_bios_set3", ("20", "21", "22", "25", "26"), 200, hf=HFSource(_BIOS, "hard_text", "profession"), family="profession"),
     TaskSet("amazon_review_category", ("1", "2", "3", "5", "6"), 200, hf=HFSource("canrager/amazon_reviews_mcauley_1and5", "text", "category"), family="category"),
     TaskSet("amazon_review_sentiment", ("5.0", "1.0"), 200, hf=HFSource("canrager/amazon_reviews_mcauley_1and5", "text", "rating"), binary=True, family="sentiment"),
-    TaskSet("github_code", ("C", "Python", "HTML", "Java", "PHP"), 200, hf=HFSource("codeparrot/github-code", "code", "language"), family="code language"),
+    # as SAEBench: the first 150 characters skipped (licence headers), texts of more than 384 + 150 kept
+    TaskSet("github_code", ("C", "Python", "HTML", "Java", "PHP"), 200, hf=HFSource("codeparrot/github-code", "code", "language", skip_chars=150, min_chars=384, load_kwargs={"languages": ["C", "Python", "HTML", "Java", "PHP"]}), family="code language"),
     TaskSet("ag_news", ("0", "1", "2", "3"), 200, hf=HFSource("fancyzhx/ag_news", "text", "label"), family="topic"),
-    TaskSet("europarl", ("en", "fr", "de", "es", "nl"), 200, hf=HFSource("Helsinki-NLP/europarl", "text", "language"), family="language"),
+    # as SAEBench: each language's sentences from one language-pair config, text at translation.<language>
+    TaskSet("europarl", ("en", "fr", "de", "es", "nl"), 200, hf=HFSource("Helsinki-NLP/europarl", "translation.{label}", class_configs={"en": "en-fr", "fr": "fr-it", "de": "de-en", "es": "es-fr", "nl": "nl-pt"}), family="language"),
 ]  # fmt: skip
 
 # The offline suite: files in ../shared/data/probing (extracted from Debian/PyPI/npm packages), chosen
