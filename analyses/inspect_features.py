@@ -1,7 +1,7 @@
 r"""Top-activating contexts of chosen experts / latents, as a CSV table and a self-contained HTML page.
 
     python analyses/inspect_features.py --layer results/frontier-v2/runs/L15.seed0/final/L15.mxd.k32.m8 \
-        --features 12 345 --text ../shared/data/corpus --tokens 200000 --out results/inspect
+        --features 12 345 --tokens 200000 --out results/inspect      # --text: default the bundled English text
 
 The options are the fields of ``mxd_lens.analysis.inspect.InspectStudy``. ``--from-steering
 results/steering/steering.csv`` takes the features the steering study chose for this layer. The texts

@@ -3,7 +3,7 @@ r"""Interleave the documents of several texts into one .txt.xz, balanced by volu
 fewest characters so far, so that any prefix of the result holds about as much of each source,
 whatever the length of their documents (a Bible chapter against an Austen paragraph).
 
-    python analyses/mix_texts.py ../shared/data/corpus/{jane_austen_novels,bible_web}.txt.xz \
+    python analyses/mix_texts.py corpus/jane_austen_novels.txt.xz corpus/bible_web.txt.xz \
         --out data/austen_bible_mixed.txt.xz
 """
 

@@ -2,8 +2,9 @@ r"""Sparse probing of MxD / transcoder / skip-transcoder codes on the offline ta
 tasks over 8 datasets, mxd_lens.analysis.tasks.OFFLINE_SETS) or SAEBench's datasets (--suite saebench,
 needs the hub). The options are the fields of ``mxd_lens.analysis.probing.ProbingStudy``.
 
-    python analyses/sparse_probing.py --layers results/frontier-v2/runs/L15.seed0/final \
-        --data ../shared/data/probing --out results/probing
+    python analyses/sparse_probing.py --layers results/frontier-v2/runs/L15.seed0/final --out results/probing
+
+(``--data DIR``: a folder of the suite's files; default: the sets bundled with mxd-lens.)
 
 Writes OUT/probing.csv and .json, OUT/summary.csv, OUT/paired.csv and OUT/probing.png
 (``run_probing_study``); prints the summary and the paired comparisons.

@@ -2,7 +2,7 @@ r"""Steer with the top feature of several probing tasks, for each layer type, an
 offline (``mxd_lens.analysis.steering.SteeringStudy``, whose fields are the options).
 
     python analyses/steering.py --layers results/frontier-v2/runs/L15.seed0/final --k 32 \
-        --data ../shared/data/probing --probing results/probing/pooled --out results/steering
+        --probing results/probing/pooled --out results/steering
 
 For each task and layer: the feature ranked first on the task's training split (as in sparse probing),
 its largest activation on the task's positive training texts (the unit of alpha), and generations from

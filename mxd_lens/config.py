@@ -16,7 +16,9 @@ WIDTH_MULTIPLIER = 8  # transcoder width m x d_model; MxD gets the experts that 
 SCHEDULES = ("constant", "linear", "cosine")
 NORMALIZATIONS = ("none", "input", "input_output")
 NEUTRAL_PROMPT = "Let's talk about"  # what steered generations continue
-DEFAULT_TASKS = ("language_id/fr", "code_language/python", "bbc_news/sports", "fortunes_set2/startrek")
+# Steering concepts from the bundled probing sets (the full suite's study used code_language/python and
+# bbc_news/sports in place of the two debian ones: pass --tasks and --data for those).
+DEFAULT_TASKS = ("language_id/fr", "fortunes_set2/startrek", "debian_set1/games", "debian_set2/fonts")
 
 
 def scheduled_lr(
@@ -312,8 +314,9 @@ class ProbingStudy:
     """layer folders, or folders holding them (a trainer's final/, the frontier's runs/*/final)"""
     suite: Literal["offline", "saebench"] = "offline"
     """offline: the 38 one-vs-rest tasks over 8 datasets in data; saebench: SAEBench's datasets (hub)"""
-    data: str = "../shared/data/probing"
-    """folder of the offline suite's files"""
+    data: str | None = None
+    """folder of the offline suite's files (default: the sets bundled with mxd-lens; the suite runs on the
+    sets whose files are there)"""
     per_class: int | None = None
     """examples per class (default: the suite's, 200)"""
     ks: list[int] = field(default_factory=lambda: [1, 2, 5])
@@ -339,8 +342,9 @@ class SteeringStudy:
     """use the layers with this K"""
     tasks: list[str] = field(default_factory=lambda: list(DEFAULT_TASKS))
     """offline-suite tasks, as set/class"""
-    data: str = "../shared/data/probing"
-    """folder of the offline suite's files"""
+    data: str | None = None
+    """folder of the offline suite's files (default: the sets bundled with mxd-lens; the suite runs on the
+    sets whose files are there)"""
     per_class: int | None = None
     """examples per class (default: the suite's; as in the probing run)"""
     probing: str | None = None

@@ -290,3 +290,21 @@ def test_hf_sources_read_local_datasets_in_saebench_layouts(tmp_path):
         "code", ("C", "Python"), 5, hf=HFSource(str(code), "code", "language", skip_chars=10, min_chars=5)
     ).load()
     assert all(not t.startswith("#") for t in loaded.texts)
+
+
+def test_the_bundled_sets_load_and_each_file_has_its_licence_written():
+    """What a fresh install probes on: the licence-clear sets shipped as package data."""
+    from mxd_lens.analysis.tasks import OFFLINE_SETS, bundled_data, offline_suite
+
+    root = bundled_data()
+    sets = offline_suite(None, root)
+    assert {s.name for s in sets} == {"language_id", "debian_set1", "debian_set2", "fortunes_set1", "fortunes_set2",
+                                      "vader_snippets"}  # fmt: skip
+    assert sum(len(s.tasks) for s in sets) == 26 and len(OFFLINE_SETS) > len(sets)
+    readme = (root / "README.md").read_text()
+    for path in root.glob("*.jsonl.xz"):
+        assert f"| {path.name} |" in readme, path.name
+    examples = sets[0].load(root)
+    assert len(examples) == sets[0].per_class * len(sets[0].classes)
+    with pytest.raises(FileNotFoundError, match="holds none of the offline suite"):
+        offline_suite(None, root.parent / "nowhere")

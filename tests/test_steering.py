@@ -200,7 +200,7 @@ def test_steering_study_end_to_end_on_a_toy_suite(tmp_path, monkeypatch):
     animals = tasks.jsonl_task_set(
         labelled_file(tmp_path / "animals.jsonl.xz"), ["cat", "dog", "bird"], per_class=20
     )
-    monkeypatch.setattr(tasks, "offline_suite", lambda per_class=None: [animals])
+    monkeypatch.setattr(tasks, "offline_suite", lambda per_class=None, data_root=None: [animals])
     monkeypatch.setattr("mxd_lens.data.default_text", lambda: text)
     for name, layer in {
         "mxd": MxD.for_model(model, 1, d_sae=6, k=3),

@@ -452,11 +452,14 @@ def run_probing_study(
 
     layers = load_layers(study.layers)
     if task_sets is None:
-        task_sets = tasks.offline_suite(study.per_class) if study.suite == "offline" else list(tasks.SAEBENCH)
+        data = study.data or tasks.bundled_data()
+        task_sets = (
+            tasks.offline_suite(study.per_class, data) if study.suite == "offline" else list(tasks.SAEBENCH)
+        )
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     table, _ = run_probing(
-        model, task_sets, layers, ks=study.ks, data_root=study.data, cache=out / "pooled",
+        model, task_sets, layers, ks=study.ks, data_root=study.data or tasks.bundled_data(), cache=out / "pooled",
         context_size=study.context_size, batch_size=study.batch_size, seed=study.seed, progress=progress,
     )  # fmt: skip
     labels = {name: layer_label(layer) for name, layer in layers.items()}

@@ -294,7 +294,8 @@ def steering_targets(
     from mxd_lens.analysis import probing, tasks
     from mxd_lens.analysis.inspect import top_activations
 
-    sets = {s.name: s for s in tasks.offline_suite(study.per_class)}
+    data = study.data or tasks.bundled_data()
+    sets = {s.name: s for s in tasks.offline_suite(study.per_class, data)}
     known = [t for s in sets.values() for t in s.tasks]
     unknown = [t for t in study.tasks if t not in known]
     if unknown:
@@ -302,12 +303,12 @@ def steering_targets(
     blocks = sorted({hooks.block_of(layer) for layer in layers.values()})
     # pooled MLP inputs of every suite text (cached by sparse probing): the concept probes' negatives
     dense_all = {
-        name: store.get(model, s.load(study.data), {}, blocks, study.context_size) for name, s in sets.items()
+        name: store.get(model, s.load(data), {}, blocks, study.context_size) for name, s in sets.items()
     }
     targets = []
     for task in study.tasks:
         set_name = task.split("/", 1)[0]
-        examples = sets[set_name].load(study.data)
+        examples = sets[set_name].load(data)
         pooled = store.get(model, examples, layers, blocks, study.context_size)
         parts, y = probing.task_splits(examples, seed=0)[task]
         positives = [examples.texts[i] for i in parts["train"] if y[i]]

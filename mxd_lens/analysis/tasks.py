@@ -299,10 +299,32 @@ OFFLINE_SETS: list[TaskSet] = [
 ]  # fmt: skip
 
 
-def offline_suite(per_class: int | None = None) -> list[TaskSet]:
-    """``OFFLINE_SETS``, optionally with another ``per_class`` (binary sets keep their 5:4 ratio)."""
-    if per_class is None:
-        return list(OFFLINE_SETS)
+def bundled_data() -> Path:
+    """The folder of probing sets shipped with mxd-lens (the licence-clear ones; its README.md says
+    which, with sources): the default data root of probing and steering."""
+    return Path(__file__).resolve().parents[1] / "resources" / "probing"
+
+
+def offline_suite(per_class: int | None = None, data_root: str | Path | None = None) -> list[TaskSet]:
+    """``OFFLINE_SETS``, optionally with another ``per_class`` (binary sets keep their 5:4 ratio).
+    With ``data_root``, only the sets whose file is there (a log line names the others); without it,
+    every set (whose files must then be found where ``TaskSet.load`` is told)."""
+    import logging
     from dataclasses import replace
 
-    return [replace(s, per_class=per_class * 5 // 4 if s.binary else per_class) for s in OFFLINE_SETS]
+    sets = list(OFFLINE_SETS)
+    if data_root is not None:
+        root = Path(data_root)
+        missing = sorted({s.file for s in sets if not (root / s.file).is_file()})
+        if len(missing) == len({s.file for s in sets}):
+            raise FileNotFoundError(
+                f"{root} holds none of the offline suite's files ({sorted({s.file for s in sets})})"
+            )
+        if missing:
+            logging.getLogger(__name__).info(
+                "%s lacks %s: the suite runs without those sets", root, ", ".join(missing)
+            )
+        sets = [s for s in sets if s.file not in missing]
+    if per_class is None:
+        return sets
+    return [replace(s, per_class=per_class * 5 // 4 if s.binary else per_class) for s in sets]

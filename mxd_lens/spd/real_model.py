@@ -128,8 +128,8 @@ def pairs(resid: torch.Tensor, tokens: torch.Tensor, batch: int) -> list[tuple[t
 class RealModelStudy:
     """Decompose one weight of a real model with SPD and ablate its most concept-specific component."""
 
-    data: str = "../shared/data"
-    """offline data folder (corpus/*.txt.xz, probing/*.jsonl.xz)"""
+    data: str | None = None
+    """a folder with corpus/*.txt.xz and probing/*.jsonl.xz named as CORPUS and CONCEPTS name them (required)"""
     block: int = field(default=27, metadata={"alias": ["--layer"]})
     """transformer block whose weight is decomposed (--layer: its old name)"""
     weight: str = "mlp.W_out"
@@ -176,6 +176,11 @@ class RealModelStudy:
     """seed of the row order, masks and random components"""
 
     def __post_init__(self) -> None:
+        if not self.data:
+            raise ValueError(
+                "give data: a folder with corpus/ (the CORPUS files) and probing/ (the CONCEPTS files) of "
+                "mxd_lens.spd.real_model"
+            )
         unknown = [c for c in self.concepts if c not in CONCEPTS]
         if unknown:
             raise ValueError(f"concepts {unknown} unknown; choose from {list(CONCEPTS)}")
