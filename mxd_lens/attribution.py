@@ -1,0 +1,243 @@
+"""Attribution through spliced layers: which experts (MxD) or latents (transcoders) carry a prediction.
+
+**Exact contributions** (``contributions``). A layer's output is affine in its codes: with the
+mixture m = Σ_n a_n W_dec[n], MxD writes (zD) ⊙ m + b, a transcoder m + b (+ x W_skip). So unit n's
+contribution at token t is e_{t,n} = out(a_n W_dec[n]) − out(0), and Σ_n e_{t,n} + out(0) is the
+output exactly; ``out(0)`` (the bias, and the skip term of a skip transcoder) is reported as ``rest``.
+For MxD e_{t,n} = a_{t,n} · ((z_t D) ⊙ c_n): an input-dependent vector, not a fixed decoder row.
+
+**Attribution to a target** (``attribute``), in the model linearised at the prompt (as circuit-tracer
+does): every attention pattern and every norm's scale frozen at their values on the prompt, and every
+MLP output (spliced or not) frozen as a constant "node". The target (a logit, a logit difference, any
+scalar of the logits) is then an affine function of the sources that write into the residual stream:
+token and position embeddings, the MLP outputs, and the bias parameters (attention b_O and b_V, norm
+biases, b_U). Each source's attribution is source · ∂target/∂source in the frozen model, and they sum
+to the target exactly (``Attribution.completeness``). A spliced block's output is split further into
+its units' e_{t,n} · g_t, its ``rest`` and the error term (what the splice writes minus the layer's
+own output: the error term itself with ``splice(..., error_term=True)``, else zero).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from mxd_lens import hooks
+
+__all__ = ["Attribution", "Contributions", "attribute", "contributions", "frozen_target", "logit_target"]
+
+_BIAS_NAMES = ("b_O", "b_V", "b_U", "b")  # sources among the parameters (others multiply, or are frozen out)
+
+
+@dataclass
+class Contributions:
+    """One layer's output split by unit: ``vectors[t, j]`` is unit ``indices[t, j]``'s contribution
+    (code ``values[t, j]``) at token t; ``rest[t]`` the output with no unit active."""
+
+    indices: torch.Tensor  # [T, K]
+    values: torch.Tensor  # [T, K]
+    vectors: torch.Tensor  # [T, K, d_out]
+    rest: torch.Tensor  # [T, d_out]
+
+    def total(self) -> torch.Tensor:
+        """Σ contributions + rest: the layer's output [T, d_out]."""
+        return self.vectors.sum(1) + self.rest
+
+
+@torch.no_grad()
+def contributions(layer: Any, x: torch.Tensor) -> Contributions:
+    """The exact per-unit split of ``layer(x)`` for inputs x [T, d_in] (see the module docstring)."""
+    x2 = layer.process_sae_in(x).reshape(-1, layer.cfg.d_in)
+    values, indices = layer.encode_sparse(x2)
+    context = layer._decode_context(x2)
+    zero = torch.zeros(x2.shape[0], layer.cfg.d_out, dtype=layer.W_dec.dtype, device=x2.device)
+    rest = layer._output(zero, context)
+    rows = layer.W_dec[indices] * values[..., None]  # a_n W_dec[n], [T, K, d_out]
+    vectors = torch.stack([layer._output(rows[:, j], context) - rest for j in range(rows.shape[1])], dim=1)
+    return Contributions(indices, values, vectors, rest)
+
+
+def logit_target(
+    token: int, minus: int | None = None, position: int = -1
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A target: the logit of ``token`` at ``position`` (minus that of ``minus``: a logit difference)."""
+
+    def target(logits: torch.Tensor) -> torch.Tensor:
+        value = logits[0, position, token]
+        return value - logits[0, position, minus] if minus is not None else value
+
+    target.tokens = (token, minus)  # type: ignore[attr-defined]
+    target.position = position  # type: ignore[attr-defined]
+    return target
+
+
+@dataclass
+class Attribution:
+    """The parts of a target in the frozen model. ``units``: one row per (block, position, unit) of a
+    spliced layer with its code and attribution; ``parts``: every other source (embeddings per
+    position, dense MLP outputs, spliced layers' rest and error per position, bias parameters)."""
+
+    target: float
+    units: Any  # pandas.DataFrame: block, position, token, unit, code, attribution
+    parts: Any  # pandas.DataFrame: kind, block, position, attribution
+    frozen: dict[str, torch.Tensor] = field(repr=False, default_factory=dict)
+
+    @property
+    def total(self) -> float:
+        return float(self.units["attribution"].sum() + self.parts["attribution"].sum())
+
+    @property
+    def completeness(self) -> float:
+        """|Σ parts − target| / max(|target|, 1e-12): 0 up to float error (the parts sum to the target)."""
+        return abs(self.total - self.target) / max(abs(self.target), 1e-12)
+
+    def top(self, n: int = 10) -> Any:
+        """The ``n`` units with the largest |attribution|."""
+        return self.units.reindex(self.units["attribution"].abs().sort_values(ascending=False).index).head(n)
+
+
+def _check_tokens(model: Any, tokens: Any) -> torch.Tensor:
+    if isinstance(tokens, str):
+        tokens = model.to_tokens(tokens)
+    tokens = torch.as_tensor(tokens)
+    if tokens.ndim == 1:
+        tokens = tokens[None]
+    if tokens.ndim != 2 or tokens.shape[0] != 1:
+        raise ValueError(
+            f"attribute takes one prompt: tokens of shape [1, positions], got {tuple(tokens.shape)}"
+        )
+    bad = tokens[(tokens < 0) | (tokens >= model.cfg.d_vocab)]
+    if len(bad):
+        raise ValueError(f"token id {int(bad[0])} is not in the vocabulary (0..{model.cfg.d_vocab - 1})")
+    return tokens.to(model.cfg.device)
+
+
+def _check_target(model: Any, target: Any, n_pos: int) -> None:
+    for token in getattr(target, "tokens", ()):
+        if token is not None and not 0 <= token < model.cfg.d_vocab:
+            raise ValueError(f"target token {token} is not in the vocabulary (0..{model.cfg.d_vocab - 1})")
+    position = getattr(target, "position", None)
+    if position is not None and not -n_pos <= position < n_pos:
+        raise ValueError(f"target position {position} is out of range for a prompt of {n_pos} tokens")
+
+
+def attribute(model: Any, tokens: Any, target: Callable[[torch.Tensor], torch.Tensor]) -> Attribution:
+    """Attribute ``target(logits)`` (a scalar; e.g. ``logit_target(token)``) on one prompt to the
+    units of the layers spliced into ``model`` (``with mxd_lens.splice(model, layer): ...``) and to
+    every other source, in the model linearised at the prompt (see the module docstring)."""
+    import pandas as pd
+
+    spliced = hooks.spliced_layers(model)
+    if not spliced:
+        raise ValueError(
+            "no layer is spliced into the model: call attribute inside `with mxd_lens.splice(model, layer):` "
+            "(its units are what gets attributed)"
+        )
+    tokens = _check_tokens(model, tokens)
+    n_pos = tokens.shape[1]
+    _check_target(model, target, n_pos)
+
+    freeze_names = lambda name: name.endswith(("hook_pattern", "hook_scale"))  # noqa: E731
+    mlp_out = [f"blocks.{b}.hook_mlp_out" for b in range(model.cfg.n_layers)]
+    wanted = lambda name: freeze_names(name) or name in mlp_out  # noqa: E731
+    with torch.no_grad(), hooks.capture_mlp_io(model, sorted(spliced)) as io:
+        _, cache = model.run_with_cache(tokens, names_filter=wanted)
+
+    leaves: dict[str, torch.Tensor] = {}
+
+    def freeze(value: torch.Tensor, hook: Any) -> torch.Tensor:
+        return cache[hook.name].detach()
+
+    def leaf(value: torch.Tensor, hook: Any) -> torch.Tensor:
+        source = (cache[hook.name] if hook.name in cache else value).detach().clone().requires_grad_(True)
+        leaves[hook.name] = source
+        return source
+
+    fwd_hooks = [
+        (freeze_names, freeze),
+        (lambda name: name in mlp_out or name in ("hook_embed", "hook_pos_embed"), leaf),
+    ]
+    biases = {name: p for name, p in model.named_parameters() if name.split(".")[-1] in _BIAS_NAMES}
+    with torch.enable_grad():
+        logits = model.run_with_hooks(tokens, fwd_hooks=fwd_hooks)
+        value = target(logits)
+        if value.numel() != 1:
+            raise ValueError(f"the target must be a scalar, got a tensor of shape {tuple(value.shape)}")
+        names, inputs = zip(*[*leaves.items(), *biases.items()], strict=True)
+        grads = torch.autograd.grad(value, inputs, allow_unused=True)
+    grad = {
+        n: (torch.zeros_like(t) if g is None else g) for n, t, g in zip(names, inputs, grads, strict=True)
+    }
+
+    strings = (
+        model.to_str_tokens(tokens[0])
+        if getattr(model, "tokenizer", None) is not None
+        else tokens[0].tolist()
+    )
+    parts, units = [], []
+    for name in ("hook_embed", "hook_pos_embed"):
+        if name in leaves:
+            per_pos = (leaves[name][0].detach() * grad[name][0]).sum(-1)
+            parts += [{"kind": name.removeprefix("hook_"), "block": None, "position": t, "attribution": float(v)}
+                      for t, v in enumerate(per_pos)]  # fmt: skip
+    for block in range(model.cfg.n_layers):
+        name = f"blocks.{block}.hook_mlp_out"
+        written, g = leaves[name][0].detach(), grad[name][0]
+        if block not in spliced:
+            parts += [{"kind": "mlp (dense)", "block": block, "position": t, "attribution": float(v)}
+                      for t, v in enumerate((written * g).sum(-1))]  # fmt: skip
+            continue
+        split = contributions(spliced[block], io[block]["in"][0])
+        unit_attr = (split.vectors * g[:, None, :]).sum(-1)  # [T, K]
+        error = written - split.total()
+        for t in range(n_pos):
+            for j in range(split.indices.shape[1]):
+                if split.values[t, j] != 0:
+                    units.append({"block": block, "position": t, "token": strings[t], "unit": int(split.indices[t, j]),
+                                  "code": float(split.values[t, j]), "attribution": float(unit_attr[t, j])})  # fmt: skip
+            parts.append({"kind": "rest (bias, skip)", "block": block, "position": t,
+                          "attribution": float(split.rest[t] @ g[t])})  # fmt: skip
+            parts.append(
+                {"kind": "error", "block": block, "position": t, "attribution": float(error[t] @ g[t])}
+            )
+    for name, p in biases.items():
+        parts.append({"kind": f"bias {name}", "block": None, "position": None,
+                      "attribution": float((p.detach() * grad[name]).sum())})  # fmt: skip
+    columns = ["block", "position", "token", "unit", "code", "attribution"]
+    return Attribution(
+        target=float(value.detach()),
+        units=pd.DataFrame(units, columns=columns),
+        parts=pd.DataFrame(parts, columns=["kind", "block", "position", "attribution"]),
+        frozen={n: t.detach() for n, t in leaves.items()},
+    )
+
+
+def frozen_target(model: Any, tokens: Any, target: Callable, attribution: Attribution,
+                  edit: dict[str, torch.Tensor] | None = None) -> float:  # fmt: skip
+    """The target in the frozen model of ``attribution`` (patterns, scales and MLP outputs as on the
+    prompt), with ``edit`` {hook name: new value} replacing frozen MLP outputs: what an intervention on
+    one contribution does there (the test of the attribution's linearity)."""
+    tokens = _check_tokens(model, tokens)
+    names = [n for n in attribution.frozen if n.endswith("hook_mlp_out")]
+    with torch.no_grad():
+        _, cache = model.run_with_cache(
+            tokens, names_filter=lambda n: n.endswith(("hook_pattern", "hook_scale"))
+        )
+
+        def freeze(value: torch.Tensor, hook: Any) -> torch.Tensor:
+            return cache[hook.name]
+
+        def mlp(value: torch.Tensor, hook: Any) -> torch.Tensor:
+            return (edit or {}).get(hook.name, attribution.frozen[hook.name])
+
+        logits = model.run_with_hooks(
+            tokens,
+            fwd_hooks=[
+                (lambda n: n.endswith(("hook_pattern", "hook_scale")), freeze),
+                (lambda n: n in names, mlp),
+            ],
+        )
+    return float(target(logits))
