@@ -99,7 +99,7 @@ def test_real_model_agrees_to_first_order_once_the_final_norm_is_accounted_for()
             e = split.vectors[t, int((split.indices[t] == unit).nonzero())]
             eps = 1e-3
 
-            def ablate(value, hook, t=t, e=e):
+            def ablate(value, hook, t=t, e=e, eps=eps):
                 value = value.clone()
                 value[0, t] -= eps * e
                 return value
