@@ -1,0 +1,81 @@
+r"""Which experts (MxD) or latents (transcoders) carry a prediction: attribution of a logit (difference)
+on one prompt to the units of saved layers spliced into the model, in the model linearised at the
+prompt (``mxd_lens.attribution``). Prints the top units, the other sources, and the completeness check.
+
+    python analyses/attribution.py --layers results/frontier-v2/runs/L15.seed0/final/L15.mxd.k32.m8 \
+        --prompt "The capital of France is" --target " Paris" --minus " London" --out results/attribution
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+
+from mxd_lens.cli import parse_config
+from mxd_lens.config import DEFAULT_MODEL
+
+
+@dataclass
+class AttributionScript:
+    """What to attribute, and where to write."""
+
+    layers: list[str] = field(default_factory=list)
+    """saved layer folders to splice (one per block), or folders holding them"""
+    prompt: str = "The capital of France is"
+    """the prompt (BOS prepended as the model does)"""
+    target: str = " Paris"
+    """the token whose logit at the last position is attributed (one token)"""
+    minus: str | None = None
+    """attribute the logit difference target - minus"""
+    error_term: bool = True
+    """splice with the error term (the model is then exactly the clean one)"""
+    top: int = 10
+    """units to list"""
+    model: str = DEFAULT_MODEL
+    """model name or path"""
+    out: str | None = None
+    """write units.csv and parts.csv here"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    (args,) = parse_config(__doc__, argv, args=AttributionScript)
+    from pathlib import Path
+
+    import mxd_lens
+    from mxd_lens.attribution import attribute, logit_target
+    from mxd_lens.layers.io import load_layers
+    from mxd_lens.models import load_model
+
+    if not args.layers:
+        raise SystemExit("attribution: give --layers (saved layer folders to splice)")
+    model = load_model(args.model)
+
+    def token_id(text: str) -> int:
+        ids = model.to_tokens(text, prepend_bos=False)[0]
+        if len(ids) != 1:
+            raise SystemExit(f"attribution: {text!r} is {len(ids)} tokens; give one token")
+        return int(ids[0])
+
+    target = logit_target(token_id(args.target), token_id(args.minus) if args.minus else None)
+    layers = list(load_layers(args.layers).values())
+    with mxd_lens.splice(model, *layers, error_term=args.error_term):
+        result = attribute(model, args.prompt, target)
+    print(result.top(args.top).round(4).to_markdown(index=False))
+    kinds = result.parts["kind"].where(~result.parts["kind"].str.startswith("bias "), "biases (all)")
+    summary = result.parts.groupby(kinds)["attribution"].sum()
+    summary["units (all)"] = result.units["attribution"].sum()
+    print("\n" + summary.round(4).to_frame().to_markdown())
+    print(
+        f"\ntarget {result.target:+.5f}; parts sum {result.total:+.5f}; completeness {result.completeness:.2e} (relative)"
+    )
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        result.units.to_csv(out / "units.csv", index=False)
+        result.parts.to_csv(out / "parts.csv", index=False)
+        print(f"wrote {out}/units.csv and parts.csv")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
