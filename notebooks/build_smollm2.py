@@ -25,7 +25,7 @@ frontier study's results, read one expert's top-activating contexts and steer wi
 import pandas as pd
 
 import mxd_lens
-from mxd_lens.activations import ModelActivations, write_cache, CachedActivations
+from mxd_lens.activations import CachedActivations, ModelActivations, write_cache
 from mxd_lens.data import default_text
 from mxd_lens.evaluation import evaluate, held_out_batches
 from mxd_lens.models import load_model
