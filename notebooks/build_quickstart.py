@@ -179,12 +179,17 @@ probing.summarize(table)[["k=1", "k=2", "k=all"]].round(3)""",
 ]
 
 
-def main() -> None:
+def write_notebook(cells: list[tuple[str, str]], path: Path) -> None:
+    """A notebook of markdown ("md") and code cells, no outputs, the python3 kernel."""
     nb = nbformat.v4.new_notebook()
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
     nb.cells = [nbformat.v4.new_markdown_cell(src) if kind == "md" else nbformat.v4.new_code_cell(src)
-                for kind, src in CELLS]  # fmt: skip
-    nbformat.write(nb, Path(__file__).with_name("quickstart.ipynb"))
+                for kind, src in cells]  # fmt: skip
+    nbformat.write(nb, path)
+
+
+def main() -> None:
+    write_notebook(CELLS, Path(__file__).with_name("quickstart.ipynb"))
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ that it is committed with its outputs (minutes on a CPU; not in CI).
 
 from pathlib import Path
 
-import nbformat
+from build_quickstart import write_notebook
 
 CELLS = [
     (
@@ -100,11 +100,7 @@ for multiple in (0, 4, 16):
 
 
 def main() -> None:
-    nb = nbformat.v4.new_notebook()
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
-    nb.cells = [nbformat.v4.new_markdown_cell(src) if kind == "md" else nbformat.v4.new_code_cell(src)
-                for kind, src in CELLS]  # fmt: skip
-    nbformat.write(nb, Path(__file__).with_name("smollm2_mxd.ipynb"))
+    write_notebook(CELLS, Path(__file__).with_name("smollm2_mxd.ipynb"))
 
 
 if __name__ == "__main__":
