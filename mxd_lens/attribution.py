@@ -27,7 +27,15 @@ import torch
 
 from mxd_lens import hooks
 
-__all__ = ["Attribution", "Contributions", "attribute", "contributions", "frozen_target", "logit_target"]
+__all__ = [
+    "Attribution",
+    "Contributions",
+    "attribute",
+    "contributions",
+    "edges",
+    "frozen_target",
+    "logit_target",
+]
 
 _BIAS_NAMES = ("b_O", "b_V", "b_U", "b")  # sources among the parameters (others multiply, or are frozen out)
 
@@ -241,3 +249,72 @@ def frozen_target(model: Any, tokens: Any, target: Callable, attribution: Attrib
             ],
         )
     return float(target(logits))
+
+
+def edges(model: Any, tokens: Any, upstream: int, downstream: int, keep: float = 0.9) -> Any:
+    """Expert → expert edges between the layers spliced at blocks ``upstream`` < ``downstream``: the
+    effect of each active upstream unit's contribution e_{t1,u} on each active downstream unit's gate
+    pre-activation p_{t2,m} = (x_{t2} W_enc + b_enc)_m (MxD: x G + b_G), in the frozen model (patterns,
+    norm scales and MLP outputs as on the prompt), where p is linear in e: weight = e · ∂p/∂(MLP out).
+    Returns the edges sorted by |weight|, pruned to the fewest that carry ``keep`` of the total
+    |weight| (per downstream unit), with columns up_position, up_unit, down_position, down_unit,
+    weight, down_pre (p itself)."""
+    import pandas as pd
+
+    spliced = hooks.spliced_layers(model)
+    for block in (upstream, downstream):
+        if block not in spliced:
+            raise ValueError(f"no layer is spliced at block {block} (spliced: {sorted(spliced)})")
+    if not upstream < downstream:
+        raise ValueError(f"upstream block {upstream} must come before downstream block {downstream}")
+    if not 0 < keep <= 1:
+        raise ValueError(f"keep={keep} must be in (0, 1]")
+    tokens = _check_tokens(model, tokens)
+    up, down = spliced[upstream], spliced[downstream]
+    mlp_out = [f"blocks.{b}.hook_mlp_out" for b in range(model.cfg.n_layers)]
+    freeze_names = lambda name: name.endswith(("hook_pattern", "hook_scale"))  # noqa: E731
+    with torch.no_grad(), hooks.capture_mlp_io(model, [upstream]) as io:
+        _, cache = model.run_with_cache(tokens, names_filter=lambda n: freeze_names(n) or n in mlp_out)
+    split = contributions(up, io[upstream]["in"][0])
+    source_name = f"blocks.{upstream}.hook_mlp_out"
+    leaf: dict[str, torch.Tensor] = {}
+
+    def freeze(value: torch.Tensor, hook: Any) -> torch.Tensor:
+        return cache[hook.name].detach()
+
+    def constant(value: torch.Tensor, hook: Any) -> torch.Tensor:
+        out = cache[hook.name].detach().clone()
+        if hook.name == source_name:
+            out.requires_grad_(True)
+            leaf["source"] = out
+        return out
+
+    with torch.enable_grad(), hooks.capture_mlp_io(model, [downstream]) as down_io:
+        model.run_with_hooks(tokens, fwd_hooks=[(freeze_names, freeze), (lambda n: n in mlp_out, constant)],
+                             stop_at_layer=downstream + 1)  # fmt: skip
+        x = down.process_sae_in(down_io[downstream]["in"][0])
+        values, indices = down.encode_sparse(x.detach())
+        pre = x @ down.W_enc + down.b_enc  # [T, N], linear in the upstream MLP output under the freeze
+        rows = []
+        for t2 in range(x.shape[0]):
+            for j in range(indices.shape[1]):
+                if values[t2, j] == 0:
+                    continue
+                m = int(indices[t2, j])
+                (g,) = torch.autograd.grad(pre[t2, m], leaf["source"], retain_graph=True)
+                weights = (split.vectors * g[0][:, None, :]).sum(-1)  # [T1, K1]
+                for t1 in range(t2 + 1):
+                    for i in range(split.indices.shape[1]):
+                        if split.values[t1, i] != 0:
+                            rows.append({"up_position": t1, "up_unit": int(split.indices[t1, i]), "down_position": t2,
+                                         "down_unit": m, "weight": float(weights[t1, i]), "down_pre": float(pre[t2, m])})  # fmt: skip
+    table = pd.DataFrame(
+        rows, columns=["up_position", "up_unit", "down_position", "down_unit", "weight", "down_pre"]
+    )
+    kept = []
+    for _, group in table.groupby(["down_position", "down_unit"], sort=False):
+        group = group.reindex(group["weight"].abs().sort_values(ascending=False).index)
+        share = group["weight"].abs().cumsum() / max(group["weight"].abs().sum(), 1e-30)
+        kept.append(group[share.shift(fill_value=0) < keep])
+    pruned = pd.concat(kept) if kept else table
+    return pruned.reindex(pruned["weight"].abs().sort_values(ascending=False).index).reset_index(drop=True)

@@ -112,3 +112,49 @@ def test_real_model_agrees_to_first_order_once_the_final_norm_is_accounted_for()
                 model.cfg.d_model * float(s) ** 2
             )
             assert (moved - result.target) / eps == pytest.approx(predicted, rel=5e-3, abs=1e-4)
+
+
+def _frozen_pre(model, tokens, down_layer, block, edit):
+    """Downstream pre-activations in the frozen model (patterns, scales, MLP outputs as on the clean
+    prompt), with ``edit`` {hook name: value} replacing MLP outputs: written here independently."""
+    names = [f"blocks.{b}.hook_mlp_out" for b in range(model.cfg.n_layers)]
+    with torch.no_grad():
+        _, cache = model.run_with_cache(
+            tokens, names_filter=lambda n: n.endswith(("hook_pattern", "hook_scale")) or n in names
+        )
+        hooks_ = [(lambda n: n.endswith(("hook_pattern", "hook_scale")), lambda v, hook: cache[hook.name]),
+                  (lambda n: n in names, lambda v, hook: edit.get(hook.name, cache[hook.name]))]  # fmt: skip
+        with mxd_lens.capture_mlp_io(model, [block]) as io:
+            model.run_with_hooks(tokens, fwd_hooks=hooks_)
+        x = down_layer.process_sae_in(io[block]["in"][0])
+        return x @ down_layer.W_enc + down_layer.b_enc
+
+
+@pytest.mark.parametrize("down_cls", [MxD, TopKTranscoder])
+def test_edges_are_the_frozen_change_of_downstream_gates(down_cls):
+    from mxd_lens.attribution import edges
+
+    model = make_model("gated")
+    up = randomise(MxD.for_model(model, 0, d_sae=16, k=3), 1, scale=0.3)
+    down = randomise(down_cls.for_model(model, 2, d_sae=16, k=3), 2, scale=0.3)
+    tokens = torch.randint(0, model.cfg.d_vocab, (1, 6), generator=torch.Generator().manual_seed(0))
+    with mxd_lens.splice(model, up, down):
+        table = edges(model, tokens, 0, 2, keep=1.0)
+        assert (table.up_position <= table.down_position).all() and len(table)
+        top = table.iloc[0]
+        split = contributions(up, _mlp_in(model, tokens, 0))
+        t1, u = int(top.up_position), int(top.up_unit)
+        e = split.vectors[t1, int((split.indices[t1] == u).nonzero())]
+        with torch.no_grad():
+            _, cache = model.run_with_cache(tokens, names_filter="blocks.0.hook_mlp_out")
+        edited = cache["blocks.0.hook_mlp_out"].clone()
+        edited[0, t1] -= e
+        before = _frozen_pre(model, tokens, down, 2, {})
+        after = _frozen_pre(model, tokens, down, 2, {"blocks.0.hook_mlp_out": edited})
+        t2, m = int(top.down_position), int(top.down_unit)
+        assert float(before[t2, m]) == pytest.approx(top.down_pre, rel=1e-5)
+        assert float(after[t2, m] - before[t2, m]) == pytest.approx(-top.weight, rel=1e-4, abs=1e-6)
+        pruned = edges(model, tokens, 0, 2, keep=0.5)
+        assert len(pruned) < len(table)
+        with pytest.raises(ValueError, match="no layer is spliced at block 1"):
+            edges(model, tokens, 1, 2)
