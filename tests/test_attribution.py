@@ -93,7 +93,7 @@ def test_real_model_agrees_to_first_order_once_the_final_norm_is_accounted_for()
             )
         r, s = cache[f"blocks.{last}.hook_resid_post"][0, -1], cache["ln_final.hook_scale"][0, -1, 0]
         split = contributions(layer, _mlp_in(model, tokens, last))
-        d_b_u = float(model.b_U[7] - model.b_U[3])
+        d_b_u = float((model.b_U[7] - model.b_U[3]).detach())
         for _, top in result.top(3).iterrows():
             t, unit = int(top.position), int(top.unit)
             e = split.vectors[t, int((split.indices[t] == unit).nonzero())]
