@@ -307,7 +307,7 @@ def edges(model: Any, tokens: Any, upstream: int, downstream: int, keep: float =
                     for i in range(split.indices.shape[1]):
                         if split.values[t1, i] != 0:
                             rows.append({"up_position": t1, "up_unit": int(split.indices[t1, i]), "down_position": t2,
-                                         "down_unit": m, "weight": float(weights[t1, i]), "down_pre": float(pre[t2, m])})  # fmt: skip
+                                         "down_unit": m, "weight": float(weights[t1, i].detach()), "down_pre": float(pre[t2, m].detach())})  # fmt: skip
     table = pd.DataFrame(
         rows, columns=["up_position", "up_unit", "down_position", "down_unit", "weight", "down_pre"]
     )
