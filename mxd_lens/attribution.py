@@ -318,3 +318,98 @@ def edges(model: Any, tokens: Any, upstream: int, downstream: int, keep: float =
         kept.append(group[share.shift(fill_value=0) < keep])
     pruned = pd.concat(kept) if kept else table
     return pruned.reindex(pruned["weight"].abs().sort_values(ascending=False).index).reset_index(drop=True)
+
+
+def plot_graph(result: Attribution, edge_tables: dict[tuple[int, int], Any] | None = None, top: int = 12,
+               path: Any = None) -> Any:  # fmt: skip
+    """The pruned graph: the ``top`` units by |attribution| as nodes at (position, block), sized by
+    |attribution| and coloured by its sign, each joined to the target (drawn above the last position);
+    ``edge_tables`` {(upstream, downstream): edges(...)} adds the expert → expert edges among the shown
+    nodes. Returns the Figure (saved to ``path`` when given)."""
+    from matplotlib.figure import Figure
+
+    nodes = result.top(top)
+    fig = Figure(figsize=(8, 5), layout="constrained")
+    ax = fig.subplots()
+    if nodes.empty:
+        ax.set_title("no active units")
+        return fig
+    blocks = sorted(nodes.block.unique())
+    level = {b: i for i, b in enumerate(blocks)}
+    target_pos, target_level = int(result.units.position.max()), len(blocks)
+    scale = float(nodes.attribution.abs().max()) or 1.0
+    offsets: dict[tuple[int, int], int] = {}
+    where = {}
+    for _, row in nodes.iterrows():
+        key = (int(row.block), int(row.position))
+        k = offsets.get(key, 0)
+        offsets[key] = k + 1
+        x, y = row.position + 0.12 * k, level[row.block]
+        where[(int(row.block), int(row.position), int(row.unit))] = (x, y)
+        ax.plot([x, target_pos], [y, target_level], color="tab:red" if row.attribution > 0 else "tab:blue",
+                alpha=0.25 + 0.6 * abs(row.attribution) / scale, lw=0.8)  # fmt: skip
+        ax.scatter([x], [y], s=60 + 400 * abs(row.attribution) / scale, zorder=3,
+                   color="tab:red" if row.attribution > 0 else "tab:blue")  # fmt: skip
+        ax.annotate(f"{int(row.unit)}", (x, y), fontsize=7, ha="center", va="center", zorder=4)
+    for (up, down), table in (edge_tables or {}).items():
+        for _, e in table.iterrows():
+            a = where.get((up, int(e.up_position), int(e.up_unit)))
+            b = where.get((down, int(e.down_position), int(e.down_unit)))
+            if a and b:
+                ax.annotate("", b, a, arrowprops={"arrowstyle": "->", "color": "gray", "lw": 0.6})
+    ax.scatter([target_pos], [target_level], marker="*", s=300, color="black", zorder=3)
+    ax.set_yticks(range(len(blocks) + 1), [f"block {b}" for b in blocks] + ["target"])
+    tokens = result.units.drop_duplicates("position").sort_values("position")
+    ax.set_xticks(tokens.position, [str(t) for t in tokens.token], rotation=45, ha="right", fontsize=8)
+    ax.set_title(f"top {len(nodes)} units by |attribution| (red +, blue −); target {result.target:+.3f}, "
+                 f"completeness {result.completeness:.1e}", fontsize=9)  # fmt: skip
+    if path is not None:
+        fig.savefig(path, dpi=120)
+    return fig
+
+
+def write_report(result: Attribution, out: Any, edge_tables: dict | None = None,
+                 contexts: dict[tuple[int, int], str] | None = None, top: int = 10) -> dict[str, Any]:  # fmt: skip
+    """units.csv, parts.csv, graph.png and report.html (one self-contained page: the graph inline, the
+    ranked table with each unit's top-activating contexts when ``contexts`` {(block, unit): text} is
+    given, the other sources and the completeness check) in ``out``. Returns the paths."""
+    import base64
+    import html
+    import io
+    from pathlib import Path
+
+    from mxd_lens.fileio import atomic_write_text
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    result.units.to_csv(out / "units.csv", index=False)
+    result.parts.to_csv(out / "parts.csv", index=False)
+    fig = plot_graph(result, edge_tables, path=out / "graph.png")
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=110)
+    table = result.top(top).copy()
+    if contexts:
+        table["contexts"] = [
+            contexts.get((int(b), int(u)), "") for b, u in zip(table.block, table.unit, strict=True)
+        ]
+    kinds = result.parts["kind"].where(~result.parts["kind"].str.startswith("bias "), "biases (all)")
+    sources = result.parts.groupby(kinds)["attribution"].sum().to_frame()
+    sources.loc["units (all)"] = result.units["attribution"].sum()
+    page = (
+        "<!doctype html><meta charset='utf-8'><title>attribution</title>"
+        "<style>body{font-family:sans-serif;max-width:60em;margin:2em auto}table{border-collapse:collapse}"
+        "td,th{border:1px solid #ccc;padding:2px 6px;font-size:90%}</style>"
+        f"<h1>Attribution of the target ({result.target:+.5f})</h1>"
+        f"<p>Parts sum {result.total:+.5f}; completeness {result.completeness:.2e} (relative).</p>"
+        f"<img alt='graph' src='data:image/png;base64,{base64.b64encode(buffer.getvalue()).decode()}'>"
+        f"<h2>Top {len(table)} units</h2>{table.round(5).to_html(index=False, escape=True)}"
+        f"<h2>All sources</h2>{sources.round(5).to_html(escape=True)}"
+        f"<p>{html.escape('Frozen at the prompt: attention patterns, norm scales, MLP outputs.')}</p>"
+    )
+    atomic_write_text(out / "report.html", page)
+    return {
+        "units": out / "units.csv",
+        "parts": out / "parts.csv",
+        "graph": out / "graph.png",
+        "html": out / "report.html",
+    }

@@ -158,3 +158,26 @@ def test_edges_are_the_frozen_change_of_downstream_gates(down_cls):
         assert len(pruned) < len(table)
         with pytest.raises(ValueError, match="no layer is spliced at block 1"):
             edges(model, tokens, 1, 2)
+
+
+def test_report_writes_the_table_graph_and_one_page(tmp_path):
+    from mxd_lens.attribution import edges, write_report
+
+    model = make_model("gated")
+    up = randomise(MxD.for_model(model, 0, d_sae=16, k=3), 1, scale=0.3)
+    down = randomise(MxD.for_model(model, 2, d_sae=16, k=3), 2, scale=0.3)
+    tokens = torch.randint(0, model.cfg.d_vocab, (1, 6), generator=torch.Generator().manual_seed(0))
+    with mxd_lens.splice(model, up, down, error_term=True):
+        result = attribute(model, tokens, logit_target(5))
+        graph = {(0, 2): edges(model, tokens, 0, 2, keep=0.5)}
+    top = result.top(1).iloc[0]
+    paths = write_report(result, tmp_path, graph, contexts={(int(top.block), int(top.unit)): "the <cat> sat"})
+    page = paths["html"].read_text()
+    assert "data:image/png;base64," in page and "completeness" in page and "the &lt;cat&gt; sat" in page
+    assert paths["graph"].stat().st_size > 0
+    import pandas as pd
+
+    units = pd.read_csv(paths["units"])
+    assert units.attribution.sum() + pd.read_csv(paths["parts"]).attribution.sum() == pytest.approx(
+        result.target, rel=1e-4
+    )
