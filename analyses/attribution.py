@@ -34,7 +34,7 @@ class AttributionScript:
     model: str = DEFAULT_MODEL
     """model name or path"""
     out: str | None = None
-    """write units.csv and parts.csv here"""
+    """write units.csv, parts.csv, graph.png and report.html here"""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     from pathlib import Path
 
     import mxd_lens
+    import mxd_lens.hooks
     from mxd_lens.attribution import attribute, logit_target
     from mxd_lens.layers.io import load_layers
     from mxd_lens.models import load_model
@@ -69,11 +70,15 @@ def main(argv: list[str] | None = None) -> int:
         f"\ntarget {result.target:+.5f}; parts sum {result.total:+.5f}; completeness {result.completeness:.2e} (relative)"
     )
     if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        result.units.to_csv(out / "units.csv", index=False)
-        result.parts.to_csv(out / "parts.csv", index=False)
-        print(f"wrote {out}/units.csv and parts.csv")
+        from mxd_lens.attribution import edges, write_report
+
+        blocks = sorted(mxd_lens.hooks.block_of(layer) for layer in layers)
+        with mxd_lens.splice(model, *layers, error_term=args.error_term):
+            graph = {
+                (a, b): edges(model, args.prompt, a, b) for a, b in zip(blocks, blocks[1:], strict=False)
+            }
+        paths = write_report(result, Path(args.out), graph, top=args.top)
+        print(f"wrote {', '.join(str(p) for p in paths.values())}")
     return 0
 
 
