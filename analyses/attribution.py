@@ -31,6 +31,8 @@ class AttributionScript:
     """splice with the error term (the model is then exactly the clean one)"""
     top: int = 10
     """units to list"""
+    context_tokens: int = 16_384
+    """tokens of the bundled English text searched for the top units' contexts in the report (0: none)"""
     model: str = DEFAULT_MODEL
     """model name or path"""
     out: str | None = None
@@ -77,7 +79,22 @@ def main(argv: list[str] | None = None) -> int:
             graph = {
                 (a, b): edges(model, args.prompt, a, b) for a, b in zip(blocks, blocks[1:], strict=False)
             }
-        paths = write_report(result, Path(args.out), graph, top=args.top)
+        contexts = {}
+        if args.context_tokens:
+            from mxd_lens.analysis.inspect import text_batches, top_activations
+
+            by_block = {mxd_lens.hooks.block_of(layer): layer for layer in layers}
+            top_units = result.top(args.top)
+            for block, group in top_units.groupby("block"):
+                units = sorted({int(u) for u in group.unit})
+                rows = text_batches(model, None, args.context_tokens, 64)
+                found = top_activations(model, by_block[int(block)], rows, units, n=3, progress=False)
+                for unit, hits in found.groupby("feature"):
+                    contexts[(int(block), int(unit))] = " | ".join(
+                        f"{left}[{token}]{right}"
+                        for left, token, right in zip(hits.left, hits.token, hits.right, strict=True)
+                    )
+        paths = write_report(result, Path(args.out), graph, contexts=contexts, top=args.top)
         print(f"wrote {', '.join(str(p) for p in paths.values())}")
     return 0
 
