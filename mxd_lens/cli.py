@@ -137,6 +137,8 @@ class ModelOut:
 
     model: str = DEFAULT_MODEL
     """model name or path"""
+    tl_name: str | None = None
+    """for a .gguf file or folder: the TransformerLens official name whose architecture to build with"""
     out: str = "results"
     """output folder (probe/steer/inspect write OUT/probing, OUT/steering, OUT/inspect)"""
 
@@ -147,6 +149,9 @@ class EvalModel:
 
     model: str | None = None
     """model name or path (default: the model the layers' training record names, else smollm2-135m)"""
+    tl_name: str | None = None
+    """for a .gguf file or folder: the TransformerLens official name whose architecture to build with
+    (default: the one the training record names, if any)"""
 
 
 def _eval(args: argparse.Namespace) -> int:
@@ -159,14 +164,15 @@ def _eval(args: argparse.Namespace) -> int:
     from mxd_lens.layers.io import layer_folders, load_layer
     from mxd_lens.models import load_model
 
-    name = args.model.model
+    name, tl_name = args.model.model, args.model.tl_name
     if name is None:  # the model the first layer was trained on, when load_model can name it
         record = (load_layer(layer_folders(args.layers.layers)[0]).cfg.metadata.training or {}).get(
             "model"
         ) or {}
         name = record.get("name") or DEFAULT_MODEL
+        tl_name = tl_name or record.get("tl_name")
     try:
-        rows = evaluate_saved(load_model(name), args.layers.layers, args.eval)
+        rows = evaluate_saved(load_model(name, tl_name=tl_name), args.layers.layers, args.eval)
     except (ValueError, FileNotFoundError) as err:
         raise SystemExit(f"mxd-lens eval: {err}") from None
     table = pd.DataFrame(rows)
@@ -200,7 +206,9 @@ def _probe(args: argparse.Namespace) -> int:
     from mxd_lens.models import load_model
 
     out = Path(args.where.out) / "probing"
-    results = run_probing_study(load_model(args.where.model), args.study, out, command=_command())
+    results = run_probing_study(
+        load_model(args.where.model, tl_name=args.where.tl_name), args.study, out, command=_command()
+    )
     print(results["summary"].round(3).to_markdown())
     if len(results["paired"]):
         print("\nPaired differences in test accuracy (same task), mean over tasks:")
@@ -217,7 +225,9 @@ def _steer(args: argparse.Namespace) -> int:
 
     out = Path(args.where.out) / "steering"
     try:
-        table = run_steering_study(load_model(args.where.model), args.study, out, command=_command())
+        table = run_steering_study(
+            load_model(args.where.model, tl_name=args.where.tl_name), args.study, out, command=_command()
+        )
     except ValueError as err:
         raise SystemExit(f"mxd-lens steer: {err}") from None
     print(table.drop(columns=["example"]).round(3).to_markdown(index=False))
@@ -232,7 +242,7 @@ def _inspect(args: argparse.Namespace) -> int:
 
     out = Path(args.where.out) / "inspect"
     try:
-        table = run_inspect_study(load_model(args.where.model), args.study, out)
+        table = run_inspect_study(load_model(args.where.model, tl_name=args.where.tl_name), args.study, out)
     except ValueError as err:
         raise SystemExit(f"mxd-lens inspect: {err}") from None
     print(table.groupby("feature").head(3).to_markdown(index=False))
@@ -456,7 +466,9 @@ def _cache(args: argparse.Namespace) -> int:
         )
     from mxd_lens.models import load_model
 
-    stream = ModelActivations.from_config(load_model(stream_config.model), args.blocks, stream_config)
+    stream = ModelActivations.from_config(
+        load_model(stream_config.model, tl_name=stream_config.tl_name), args.blocks, stream_config
+    )
     try:
         path = write_cache(
             stream, args.out, n_blocks=args.shards, dtype=args.dtype, text_info=stream.text_info
@@ -493,7 +505,7 @@ def _train(args: argparse.Namespace) -> int:
             )
         from mxd_lens.models import load_model
 
-        model = load_model(stream_config.model)
+        model = load_model(stream_config.model, tl_name=stream_config.tl_name)
         source = ModelActivations.from_config(model, args.blocks, stream_config)
     blocks = args.blocks or source.info.layers
     specs = [

@@ -54,6 +54,8 @@ class StreamConfig:
 
     model: str | None = None
     """smollm2-135m (offline default), a .gguf file, a local Hugging Face folder, or a TransformerLens name (hub)"""
+    tl_name: str | None = None
+    """for a .gguf file or folder: the TransformerLens official name whose architecture to build with (load_model)"""
     text: str | None = None
     """a .txt/.jsonl file (also .xz/.gz), a folder of them, or a Hugging Face dataset name"""
     context_size: int = 128

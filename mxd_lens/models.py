@@ -75,6 +75,7 @@ def load_model(
     fold_ln: bool = False,
     special_tokens: dict[str, str] | None = None,
     cls: type[HookedTransformer] | None = None,
+    tl_name: str | None = None,
     **kwargs: Any,
 ) -> HookedTransformer:
     """A ``HookedTransformer`` (or ``cls``, a subclass such as SAELens's ``HookedSAETransformer``,
@@ -86,6 +87,12 @@ def load_model(
       under ``cache_dir()`` (keyed by the file's name, size and mtime), then loaded as a folder;
     - a Hugging Face folder (``config.json`` + weights), read offline;
     - a TransformerLens model name: ``HookedTransformer.from_pretrained`` (needs the hub).
+
+    ``tl_name`` (for a .gguf file or a folder): the TransformerLens official model name whose
+    architecture constants (activation, norms, soft caps, attention types, ...) to build with, the sizes
+    still read from the folder's config.json. Gemma-1/2/3 get one by default (TL builds those only by
+    name); pass it for another family TL knows only by name. It must name a model of the folder's
+    architecture (ValueError otherwise, naming both).
 
     Weights are not processed beyond ``fold_ln`` (no centering, no value-bias folding), for every
     kind of source. ``special_tokens`` overrides the tokenizer's, e.g. ``{"bos_token": "<|endoftext|>"}``
@@ -100,6 +107,8 @@ def load_model(
     if not (isinstance(cls, type) and issubclass(cls, _hooked_transformer())):
         raise TypeError(f"cls={cls!r} must be HookedTransformer or a subclass (e.g. HookedSAETransformer)")
     kwargs["cls"] = cls
+    if tl_name is not None:
+        kwargs["tl_name"] = _official_name(tl_name)
     with _quiet_deprecation():
         if name_or_path == DEFAULT_MODEL:
             folder = _converted_folder(default_model_path())
@@ -117,18 +126,22 @@ def load_model(
             model = _load_folder(
                 _converted_folder(path), device, dtype, fold_ln, special_tokens, path.stem, kwargs
             )
-            return _with_source(
-                model, name_or_path, {"kind": "gguf", "file": path.name, "sha256": _file_sha256(path)}
-            )
+            source = {"kind": "gguf", "file": path.name, "sha256": _file_sha256(path)}
+            return _with_source(model, name_or_path, {**source, **_named(tl_name)})
         if path.is_dir() and (path / "config.json").is_file():
             model = _load_folder(path, device, dtype, fold_ln, special_tokens, path.resolve().name, kwargs)
-            return _with_source(model, name_or_path, _folder_source(path))
+            return _with_source(model, name_or_path, {**_folder_source(path), **_named(tl_name)})
         if path.exists():
             raise ValueError(
                 f"{name_or_path!r} exists but is neither a .gguf file nor a Hugging Face folder with a "
                 f"config.json; load_model accepts {_ACCEPTED}"
             )
         if _is_tl_name(name_or_path):
+            if tl_name is not None:
+                raise ValueError(
+                    f"tl_name={tl_name!r} is for a .gguf file or a Hugging Face folder; {name_or_path!r} is "
+                    "already a TransformerLens name"
+                )
             model = _load_tl_name(name_or_path, device, dtype, fold_ln, special_tokens, kwargs)
             source = {"kind": "transformer_lens", "revision": kwargs.get("revision") or "main"}
             return _with_source(model, name_or_path, source)
@@ -153,6 +166,23 @@ def _with_source(model: Any, name: str, source: dict[str, Any]) -> Any:
     except AttributeError:  # not a module (a stand-in in tests)
         pass
     return model
+
+
+def _named(tl_name: str | None) -> dict[str, Any]:
+    return {} if tl_name is None else {"tl_name": _official_name(tl_name)}
+
+
+def _official_name(tl_name: str) -> str:
+    """TL's official spelling of ``tl_name`` (it accepts aliases), or ValueError naming it."""
+    from transformer_lens.loading_from_pretrained import get_official_model_name
+
+    try:
+        return get_official_model_name(tl_name)
+    except ValueError:
+        raise ValueError(
+            f"tl_name={tl_name!r} is not a TransformerLens official model name (see "
+            "transformer_lens.loading_from_pretrained.OFFICIAL_MODEL_NAMES, e.g. 'google/gemma-3-270m')"
+        ) from None
 
 
 def _folder_source(path: Path) -> dict[str, Any]:
@@ -348,11 +378,12 @@ def _load_folder(
     cls = kwargs.pop("cls")
     architecture = _architecture(AutoConfig.from_pretrained(folder, local_files_only=True))
     _check_tl_supports(architecture, folder)
+    template = kwargs.pop("tl_name", None) or _BY_NAME_ONLY.get(architecture)
     hf_model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, local_files_only=True).eval()
     # Special tokens are set at load: TL rebuilds the tokenizer from its init kwargs (to add BOS),
     # and setting tokenizer.bos_token afterwards would not change what it prepends.
     tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True, **special_tokens)
-    with _neutral_name(folder) as tl_name, _config_by_family(architecture, hf_model.config):
+    with _neutral_name(folder) as tl_name, _config_by_family(architecture, hf_model.config, template):
         try:
             cfg = get_pretrained_model_config(
                 tl_name,
@@ -415,15 +446,16 @@ _BY_NAME_ONLY = {
 
 
 @contextlib.contextmanager
-def _config_by_family(architecture: str, hf_config: Any) -> Iterator[None]:
-    """For a family TL knows only by official names, have TL's ``convert_hf_model_config`` return
-    the folder's own config (``_family_config``) while the model is built; otherwise nothing."""
-    if architecture not in _BY_NAME_ONLY:
+def _config_by_family(architecture: str, hf_config: Any, template: str | None) -> Iterator[None]:
+    """With a ``template`` official name (a family TL knows only by name, or the caller's
+    ``tl_name``), have TL's ``convert_hf_model_config`` return the folder's own config
+    (``_family_config``) while the model is built; without one, nothing."""
+    if template is None:
         yield
         return
     from transformer_lens import loading_from_pretrained as tl_loading
 
-    cfg_dict = _family_config(architecture, hf_config)
+    cfg_dict = _family_config(template, architecture, hf_config)
     original = tl_loading.convert_hf_model_config
     tl_loading.convert_hf_model_config = lambda *args, **kwargs: dict(cfg_dict)
     try:
@@ -432,13 +464,25 @@ def _config_by_family(architecture: str, hf_config: Any) -> Iterator[None]:
         tl_loading.convert_hf_model_config = original
 
 
-def _family_config(architecture: str, hf: Any) -> dict[str, Any]:
-    """TL's config dict for a folder of a by-name-only family: the template official model's (its
+def _family_config(template: str, architecture: str, hf: Any) -> dict[str, Any]:
+    """TL's config dict for a folder built on the official model ``template``: the template's (its
     architecture's constants: activation, norms, soft caps, QK norm, ...) with every size and
-    per-layer setting read from the folder's config.json."""
+    per-layer setting read from the folder's config.json. The template must be of the folder's
+    ``architecture``."""
     from transformer_lens.loading_from_pretrained import convert_hf_model_config
 
-    cfg = dict(convert_hf_model_config(_BY_NAME_ONLY[architecture]))
+    try:
+        cfg = dict(convert_hf_model_config(template))
+    except OSError as err:  # TL has no hard-coded config for it and reads it from the hub
+        raise ValueError(
+            f"TransformerLens reads the config of tl_name={template!r} from the Hugging Face hub, which "
+            f"failed: {err}"
+        ) from err
+    if cfg.get("original_architecture") != architecture:
+        raise ValueError(
+            f"tl_name={template!r} is a {cfg.get('original_architecture')} in TransformerLens, but the model "
+            f"to load is a {architecture}; pass the official name of a {architecture}"
+        )
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
     cfg.update(
         d_model=hf.hidden_size,

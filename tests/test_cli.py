@@ -201,3 +201,44 @@ def test_eval_records_results_in_the_layer_and_info_shows_the_provenance(tmp_pat
     # the training text, all of it, overlaps what the layer was trained on: refused, named
     with pytest.raises(SystemExit, match="L1.mxd.k2.m8: .*overlap"):
         main(["eval", str(folder), "--model", "tiny", "--text", str(text_model), "--split", "all"])
+
+
+def test_tl_name_reaches_load_model_and_eval_reuses_the_recorded_one(tmp_path, monkeypatch):
+    import mxd_lens.models
+
+    model, corpus = make_text_model(tmp_path)
+    model.mxd_lens_source = {"name": "tiny", "kind": "hf_folder", "tl_name": "google/gemma-3-270m"}
+    asked = []
+    monkeypatch.setattr(mxd_lens.models, "load_model", lambda name, **kw: asked.append((name, kw)) or model)
+    stream = [
+        "--model",
+        "tiny",
+        "--tl-name",
+        "google/gemma-3-270m",
+        "--text",
+        str(corpus),
+        "--context-size",
+        "12",
+    ]
+    learn = ["--arch", "mxd", "--k", "2", "--tokens", "160", "--batch-tokens", "32", "--no-progress"]
+    assert (
+        main(
+            [
+                "train",
+                *stream,
+                "--rows-per-block",
+                "16",
+                "--blocks",
+                "1",
+                *learn,
+                "--out",
+                str(tmp_path / "run"),
+            ]
+        )
+        == 0
+    )
+    assert asked[-1] == ("tiny", {"tl_name": "google/gemma-3-270m"})
+    # eval without --model: the model and tl_name the training record names
+    final = str(tmp_path / "run" / "final")
+    assert main(["eval", final, "--eval-tokens", "120", "--context-size", "12", "--write", "false"]) == 0
+    assert asked[-1] == ("tiny", {"tl_name": "google/gemma-3-270m"})

@@ -36,7 +36,8 @@ def _byte_vocab() -> tuple[list[str], list[int]]:
 
 def write_tiny_gguf(path: Path, arch: str = "llama", seed: int = 0) -> Path:
     """A 2-layer llama (GQA, gated SiLU MLP, RMSNorm, rotary, untied unembedding) with random F32
-    tensors and a byte-level BPE tokenizer in its metadata."""
+    tensors and a byte-level BPE tokenizer in its metadata. ``arch="gemma3"``: Gemma-3's layout
+    instead (QK norms, post-attention and post-MLP norms, tied unembedding, a sliding window of 4)."""
     import gguf
 
     tokens, types = _byte_vocab()
@@ -56,6 +57,11 @@ def write_tiny_gguf(path: Path, arch: str = "llama", seed: int = 0) -> Path:
     writer.add_rope_freq_base(10000.0)
     writer.add_rope_dimension_count(D_HEAD)
     writer.add_layer_norm_rms_eps(1e-5)
+    gemma = arch == "gemma3"
+    if gemma:
+        writer.add_key_length(D_HEAD)
+        writer.add_value_length(D_HEAD)
+        writer.add_sliding_window(4)
     writer.add_vocab_size(len(tokens))
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("smollm")
@@ -68,7 +74,8 @@ def write_tiny_gguf(path: Path, arch: str = "llama", seed: int = 0) -> Path:
     # numpy shapes are [out, in], as transformers' nn.Linear weights; GGUF stores them reversed.
     writer.add_tensor("token_embd.weight", rand(len(tokens), D_MODEL, scale=1.0))
     writer.add_tensor("output_norm.weight", 1 + rand(D_MODEL))
-    writer.add_tensor("output.weight", rand(len(tokens), D_MODEL))
+    if not gemma:  # Gemma ties its unembedding to the embedding
+        writer.add_tensor("output.weight", rand(len(tokens), D_MODEL))
     for layer in range(N_LAYERS):
         block = f"blk.{layer}"
         writer.add_tensor(f"{block}.attn_norm.weight", 1 + rand(D_MODEL))
@@ -80,6 +87,11 @@ def write_tiny_gguf(path: Path, arch: str = "llama", seed: int = 0) -> Path:
         writer.add_tensor(f"{block}.ffn_gate.weight", rand(D_MLP, D_MODEL))
         writer.add_tensor(f"{block}.ffn_up.weight", rand(D_MLP, D_MODEL))
         writer.add_tensor(f"{block}.ffn_down.weight", rand(D_MODEL, D_MLP))
+        if gemma:
+            for norm, size in (("attn_q_norm", D_HEAD), ("attn_k_norm", D_HEAD)):
+                writer.add_tensor(f"{block}.{norm}.weight", 1 + rand(size))
+            for norm in ("post_attention_norm", "post_ffw_norm"):
+                writer.add_tensor(f"{block}.{norm}.weight", 1 + rand(D_MODEL))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -422,3 +434,33 @@ def test_local_folders_of_every_documented_family_load_and_match_transformers(tm
     with torch.no_grad():
         torch.testing.assert_close(model(tokens), hf(tokens).logits, rtol=1e-4, atol=1e-4)
     assert model.mxd_lens_source["kind"] == "hf_folder" and len(model.mxd_lens_source["config_sha256"]) == 64
+
+
+def test_a_gemma3_gguf_loads_and_matches_transformers(tmp_path):
+    """The issue's failure: a Gemma-3 GGUF (TL 3.9 builds Gemma-3 only by official name)."""
+    from transformers import AutoModelForCausalLM
+
+    path = write_tiny_gguf(tmp_path / "tiny-gemma3.gguf", arch="gemma3")
+    model = models.load_model(str(path))
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, dtype=torch.float32).eval()
+    assert type(hf).__name__ == "Gemma3ForCausalLM" and hf.config.sliding_window == 4 < TOKENS.shape[1]
+    with torch.no_grad():
+        torch.testing.assert_close(
+            model(TOKENS).log_softmax(-1), hf(TOKENS).logits.log_softmax(-1), rtol=0, atol=1e-4
+        )
+    assert model.mxd_lens_source["kind"] == "gguf" and "tl_name" not in model.mxd_lens_source
+
+
+def test_tl_name_picks_the_template_and_bad_names_are_refused(tmp_path):
+    from mxd_lens.models import load_model
+
+    folder, hf, vocab = _tiny_folder(tmp_path, "gemma3")
+    model = load_model(str(folder), tl_name="google/gemma-3-1b-it")  # another Gemma-3 as the template
+    tokens = torch.randint(3, vocab, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens), hf(tokens).logits, rtol=1e-4, atol=1e-4)
+    assert model.mxd_lens_source["tl_name"] == "google/gemma-3-1b-it"
+    with pytest.raises(ValueError, match=r"'google/gemma-2-2b' is a Gemma2ForCausalLM.*Gemma3ForCausalLM"):
+        load_model(str(folder), tl_name="google/gemma-2-2b")
+    with pytest.raises(ValueError, match="'no-such-model' is not a TransformerLens official model name"):
+        load_model(str(folder), tl_name="no-such-model")
