@@ -1,5 +1,5 @@
-"""Train the toy induction-head model that SPD decomposes (see /work/shared/SPD.md, "The toy
-induction-head task"), resuming from OUT's latest checkpoint if there is one. The options are the
+"""Train the toy induction-head model that SPD decomposes (see docs/spd.md, "The toy
+induction study"), resuming from OUT's latest checkpoint if there is one. The options are the
 fields of ``mxd_lens.spd.induction.InductionTraining``.
 
     python analyses/spd_induction_model.py --threads 1 --out results/spd-induction/model

@@ -5,14 +5,14 @@ activation set. Not run in CI (it needs the real model and a cache of it).
 Make the cache once (SmolLM2-135M layer 15, Austen + the World English Bible, train split, BOS then
 128 tokens a row, so 32,768 tokens a block; 20 blocks = 655k tokens, 3 GB in fp32; ~15 min here):
 
-    mkdir -p data/train_text && ln -s $PWD/../shared/data/corpus/{jane_austen_novels,bible_web}.txt.xz data/train_text/
+    mkdir -p data/train_text && ln -s $DATA/corpus/{jane_austen_novels,bible_web}.txt.xz data/train_text/
     mxd-lens cache --model smollm2-135m --text data/train_text --blocks 15 --context-size 129 \\
         --rows-per-block 256 --shards 20 --out data/cache-l15
 
 Then
 
     python benchmarks/recipe.py compare --cache data/cache-l15 \\
-        --eval-text ../shared/data/corpus/matthew_henry_concise_commentary.txt.xz --out results/recipe
+        --eval-text $DATA/corpus/matthew_henry_concise_commentary.txt.xz --out results/recipe
     python benchmarks/recipe.py sweep --cache data/cache-l15 --out results/recipe-sweep
 
 ``compare`` trains MxD, skip transcoder and TopK transcoder (K = 32, m = 8, parameter-matched) under:

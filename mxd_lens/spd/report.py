@@ -1,4 +1,4 @@
-"""Summaries of an SPD decomposition of the toy induction model (see docs/spd.md, /work/shared/SPD.md).
+"""Summaries of an SPD decomposition of the toy induction model (see docs/spd.md).
 
 Positions of an induction sequence fall in four classes: s1 (the planted S), m (= s1 + 1, the token to
 copy), s2 (the final S, where the label is predicted) and "other". The expected circuit (arXiv
