@@ -460,3 +460,62 @@ def test_fused_runs_equal_separate_forwards():
     for term in fused:
         assert fused[term] > 0
         torch.testing.assert_close(fused[term], separate[term], rtol=1e-4, atol=1e-7)
+
+
+# -- normalisation, p schedule, faithfulness warmup (issue 16) --------------------------------------
+def test_minimality_sum_is_the_per_sequence_sum_of_the_per_position_terms():
+    from mxd_lens.spd.losses import importance_minimality_loss
+
+    g = torch.rand(3, 5, 4, generator=torch.Generator().manual_seed(0))
+    ci = {"a": (g, g), "b": (g * 0.5, g * 0.5)}
+    by_hand = sum(((u + 1e-12) ** 0.7).sum(-1) for _, u in ci.values())  # [b, p]
+    torch.testing.assert_close(importance_minimality_loss(ci, 0.7), by_hand.mean())
+    torch.testing.assert_close(importance_minimality_loss(ci, 0.7, reduce="sum"), by_hand.sum(-1).mean())
+    torch.testing.assert_close(importance_minimality_loss(ci, 0.7, reduce="sum"), 5 * by_hand.mean())
+    with pytest.raises(ValueError, match="reduce='max'"):
+        importance_minimality_loss(ci, 0.7, reduce="max")
+
+
+def test_p_schedule_anneals_over_the_given_fraction_then_stays():
+    config = SPDConfig(steps=101, p_start=2.0, p_end=0.1, p_anneal_fraction=0.2)
+    assert config.p_at(0) == 2.0 and config.p_at(10) == pytest.approx(2.0 - 1.9 * 10 / 20)
+    assert config.p_at(20) == pytest.approx(0.1) and config.p_at(100) == pytest.approx(0.1)
+    linear = SPDConfig(steps=101, p_start=2.0, p_end=1.0)  # the default: over the whole run
+    assert linear.p_at(50) == pytest.approx(1.5) and linear.p_at(100) == pytest.approx(1.0)
+    assert SPDConfig(p_start=0.1, p_end=0.1).p_at(7) == 0.1  # the reference's constant p
+    with pytest.raises(ValueError, match="p_anneal_fraction=0"):
+        SPDConfig(p_anneal_fraction=0)
+    with pytest.raises(ValueError, match="minimality_reduce='max'"):
+        SPDConfig(minimality_reduce="max")
+
+
+def test_faithfulness_warmup_fits_the_components_first_and_resume_stays_exact(tmp_path):
+    model = _induction_like_model()
+    names = ["blocks.0.attn.W_Q", "blocks.1.attn.W_V"]
+    config = _config(faithfulness_warmup_steps=200, minimality_reduce="sum", positions="last")
+    cold = SPDTrainer(model, names, _batches, _config(steps=1), tmp_path / "cold", progress=False)
+    warm = SPDTrainer(model, names, _batches, config, tmp_path / "warm", progress=False)
+    ci_before = {k: v.clone() for k, v in warm.decomposition.state_dict().items() if k.startswith("ci.")}
+    record = warm.faithfulness_warmup()
+    assert record["faithfulness_end"] < 0.05 * record["faithfulness_start"]
+    assert record["faithfulness_start"] == pytest.approx(float(cold.decomposition.faithfulness_loss()))
+    for key, value in ci_before.items():  # the CI functions are not touched
+        assert torch.equal(value, warm.decomposition.state_dict()[key]), key
+    whole = SPDTrainer(model, names, _batches, config, tmp_path / "whole", progress=False)
+    whole.fit()
+    assert json.loads((tmp_path / "whole" / "faithfulness_warmup.json").read_text()) == record
+
+    class Interrupted(Exception):
+        pass
+
+    def interrupted(step):
+        if step == 5:
+            raise Interrupted
+        return _batches(step)
+
+    with pytest.raises(Interrupted):
+        SPDTrainer(model, names, interrupted, config, tmp_path / "broken", progress=False).fit()
+    again = SPDTrainer(model, names, _batches, config, tmp_path / "broken", progress=False)
+    again.fit(resume=True)  # from step 3's checkpoint: no second warmup
+    for key, value in whole.decomposition.state_dict().items():
+        assert torch.equal(value, again.decomposition.state_dict()[key]), key

@@ -87,7 +87,7 @@ def test_bad_inputs(tmp_path) -> None:
 
 
 def test_model_shape_and_frozen_sinusoidal_positions() -> None:
-    model = induction_model(0)
+    model = induction_model(0, positional="shortformer")
     cfg = model.cfg
     assert (cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.d_head, cfg.d_vocab, cfg.n_ctx) == (
         2,
@@ -105,37 +105,89 @@ def test_model_shape_and_frozen_sinusoidal_positions() -> None:
         torch.tensor([torch.sin(torch.tensor(3.0)), torch.cos(torch.tensor(3.0))]),
     )
     state = torch.random.get_rng_state()
-    again = induction_model(0)
+    again = induction_model(0, positional="shortformer")
     assert torch.equal(torch.random.get_rng_state(), state)  # the global RNG is untouched
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), again.parameters(), strict=True))
-    assert not torch.equal(induction_model(1).embed.W_E, model.embed.W_E)
+    assert not torch.equal(induction_model(1, positional="shortformer").embed.W_E, model.embed.W_E)
 
 
-def _reference_logits(model, tokens: torch.Tensor) -> torch.Tensor:
-    """Independent forward pass: positions enter queries and keys only, no LayerNorm, no MLP."""
+def test_the_reference_model_has_no_residual_position_code_and_no_biases() -> None:
+    model = induction_model(0)  # the default: the reference's model
+    assert torch.equal(model.pos_embed.W_pos, torch.zeros(64, 16)) and not model.pos_embed.W_pos.requires_grad
+    biases = [p for name, p in model.named_parameters() if name.rsplit(".", 1)[-1].startswith("b_")]
+    assert len(biases) == 9 and all(not b.requires_grad and not b.any() for b in biases)  # Q K V O x 2, U
+    trained = {name for name, p in model.named_parameters() if p.requires_grad}
+    assert trained == {"embed.W_E", "unembed.W_U"} | {
+        f"blocks.{i}.attn.W_{m}" for i in (0, 1) for m in "QKVO"
+    }
+    assert torch.equal(model.blocks[0].attn.pe_qk[:, 0], sinusoidal_positions(64, 16))
+    with pytest.raises(ValueError, match="positional='rotary': choose one of"):
+        induction_model(0, positional="rotary")
+
+
+def _reference_logits(model, tokens: torch.Tensor, positional: str) -> torch.Tensor:
+    """Independent forward pass, no LayerNorm, no MLP. shortformer: positions enter the inputs of the
+    query and key maps; after_projection (goodfire-ai/spd ih/model.py): Q = x W_Q + pe, K = x W_K + pe."""
     T = tokens.shape[1]
     resid = model.embed.W_E[tokens]
-    pos = model.pos_embed.W_pos[:T]
+    pe = sinusoidal_positions(T, 16) * (3.0 if positional == "shortformer" else 1.0)
     causal = torch.ones(T, T, dtype=torch.bool).tril()
     for block in model.blocks:
         a = block.attn
-        q = (resid + pos) @ a.W_Q[0] + a.b_Q[0]
-        k = (resid + pos) @ a.W_K[0] + a.b_K[0]
+        if positional == "shortformer":
+            q = (resid + pe) @ a.W_Q[0] + a.b_Q[0]
+            k = (resid + pe) @ a.W_K[0] + a.b_K[0]
+        else:
+            q, k = resid @ a.W_Q[0] + pe, resid @ a.W_K[0] + pe
         v = resid @ a.W_V[0] + a.b_V[0]
         scores = (q @ k.transpose(-1, -2) / a.cfg.d_head**0.5).masked_fill(~causal, float("-inf"))
         resid = resid + scores.softmax(-1) @ v @ a.W_O[0] + a.b_O
     return resid @ model.unembed.W_U + model.unembed.b_U
 
 
-def test_model_matches_reference_forward() -> None:
-    model = induction_model(0)
-    with torch.no_grad():  # make the position code matter: larger than TL's init scale
-        model.pos_embed.W_pos.mul_(3.0)
+@pytest.mark.parametrize("positional", ["shortformer", "after_projection"])
+def test_model_matches_reference_forward(positional) -> None:
+    model = induction_model(0, positional=positional)
+    with torch.no_grad():
+        if positional == "shortformer":  # make the position code matter: larger than TL's init scale
+            model.pos_embed.W_pos.mul_(3.0)
+        else:
+            for block in model.blocks:
+                block.attn.W_Q.mul_(0.1)  # ... or the projections smaller than it
+                block.attn.W_K.mul_(0.1)
     tokens, _ = TASK.sample(4, torch.Generator().manual_seed(0))
     with torch.no_grad():
-        expected = _reference_logits(model, tokens)
+        expected = _reference_logits(model, tokens, positional)
         torch.testing.assert_close(model(tokens), expected, rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(final_logits(model, tokens), expected[:, -1], rtol=1e-4, atol=1e-5)
+        # the position code matters: without it the logits differ
+        assert (
+            (model(tokens) - expected).abs().max()
+            < 1e-4
+            < (model(tokens[:, 1:]) - expected[:, 1:]).abs().max()
+        )
+
+
+def test_the_position_code_stays_outside_a_decomposed_projection() -> None:
+    """SPD replaces W_Q0 at hook_q; the code is added after it, as the reference adds it after q_proj:
+    with W_Q0's components and delta masked to 0, layer 0's queries are the code alone."""
+    from mxd_lens.spd.components import Decomposition
+
+    model = induction_model(0)
+    tokens, _ = TASK.sample(4, torch.Generator().manual_seed(0))
+    decomposition = Decomposition(model, ["blocks.0.attn.W_Q"], C=8, ci="token", ci_hidden=4, seed=0)
+    with torch.no_grad():
+        unchanged = model(tokens)
+        with decomposition.patched():  # masks 1, delta on: the model itself
+            torch.testing.assert_close(model(tokens), unchanged, rtol=0, atol=1e-5)
+        zero = {"blocks.0.attn.W_Q": torch.zeros(4, 64, 8)}
+        with decomposition.patched(zero, {"blocks.0.attn.W_Q": torch.zeros(4, 64)}):
+            ablated = model(tokens)
+        model.blocks[0].attn.W_Q.zero_()
+        torch.testing.assert_close(
+            ablated, _reference_logits(model, tokens, "after_projection"), rtol=1e-4, atol=1e-5
+        )
+        assert (ablated - unchanged).abs().max() > 1e-3
 
 
 def test_attention_to_memorised_token_reads_the_right_entries() -> None:
@@ -183,6 +235,7 @@ def test_training_stops_when_solved(tmp_path) -> None:
         lr=3e-2,
         task=InductionTask(n_base_tokens=8, seq_len=8),
         plateau=None,
+        positional="shortformer",  # it reaches 0.995 before 1.0 here
         eval_every=10,
         checkpoint_every=0,
         batch_size=64,
@@ -197,6 +250,7 @@ def test_training_stops_when_solved(tmp_path) -> None:
         lr=3e-2,
         task=InductionTask(n_base_tokens=8, seq_len=8),
         plateau=None,
+        positional="shortformer",
         eval_every=10,
         checkpoint_every=10,
         batch_size=64,
@@ -206,6 +260,20 @@ def test_training_stops_when_solved(tmp_path) -> None:
     train_induction_model(tmp_path / "b", steps=solved["step"], **kwargs)
     _, more = train_induction_model(tmp_path / "b", steps=solved["step"] + 20, target_accuracy=1.0, **kwargs)
     assert more["records"][-1]["step"] > solved["step"] and more["config"]["target_accuracy"] == 1.0
+
+
+def test_training_stops_on_a_loss_plateau_and_the_rule_may_change_on_resume(tmp_path) -> None:
+    kwargs = dict(lr=1e-5, task=InductionTask(n_base_tokens=8, seq_len=8), plateau=None, eval_every=10,
+                  checkpoint_every=10, batch_size=32, eval_size=64, progress=False, target_accuracy=1.0)  # fmt: skip
+    _, history = train_induction_model(tmp_path, steps=500, stop_window=30, stop_tolerance=0.5, **kwargs)
+    (event,) = history["events"]
+    records = history["records"]
+    assert event["kind"] == "loss_plateau" and records[-1]["step"] == event["step"] == 40 < 500
+    # the rule, by hand: the loss 30 steps back, against the best since, fell by less than half
+    then = next(r for r in records if r["step"] == event["step"] - 30)
+    assert min(r["eval_loss"] for r in records if r["step"] > then["step"]) >= 0.5 * then["eval_loss"]
+    _, more = train_induction_model(tmp_path, steps=60, stop_window=0, **kwargs)  # no rule: trains on
+    assert more["records"][-1]["step"] == 60 and more["config"]["stop_window"] == 0
 
 
 def test_plateau_raises_lr_once(tmp_path) -> None:

@@ -5,8 +5,16 @@ predict M at the final position. Positions: s1 (the planted S), m = s1 + 1, s2 =
 The expected circuit: the layer-0 head at m attends to s1 ("the previous token is S"); the layer-1
 head at s2 attends to m (its key carries "follows S") and copies M's identity to the output.
 
-The model adds a fixed sinusoidal position code to the query and key inputs only (TransformerLens'
-"shortformer" positional embedding, added in every block), never to the residual stream or values.
+Two models (``positional``), both with a fixed sinusoidal position code that never enters the residual
+stream or the values:
+
+- ``"after_projection"`` (the reference's, goodfire-ai/spd ``ih/model.py``; the default): the code is
+  added to the queries and keys *after* W_Q / W_K, ``q = x W_Q + pe``, ``k = x W_K + pe``, and the model
+  has no biases. The added code sits after ``hook_q``/``hook_k`` (``PositionAfterProjection``), so an SPD
+  replacement of W_Q / W_K leaves it outside the decomposed maps, as in the reference.
+- ``"shortformer"`` (TransformerLens's positional embedding type): the code is added to the *input* of
+  W_Q and W_K, so "attend to the previous token" must live inside W_Q0 W_K0ᵀ; the best rank-1 Q0 or K0
+  then loses most of the accuracy (docs/spd.md), and one-component Q0/K0 is impossible.
 
 Training: AdamW, cross-entropy at the final position. Seen on 2 CPU cores: at lr 1e-3 accuracy sits
 on a plateau near 14% for thousands of steps, and 3e-3 solves it; ``Plateau`` raises the rate when
@@ -27,6 +35,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 from transformer_lens import HookedTransformer, HookedTransformerConfig
+from transformer_lens.components import Attention
 
 from mxd_lens import checkpoints
 from mxd_lens.fileio import atomic_write, atomic_write_text
@@ -111,10 +120,17 @@ def sinusoidal_positions(n_ctx: int, d_model: int) -> torch.Tensor:
     return pe.float()
 
 
-def induction_model_config(task: InductionTask | None = None) -> dict[str, Any]:
+POSITIONAL = ("after_projection", "shortformer")
+
+
+def induction_model_config(
+    task: InductionTask | None = None, positional: str = "after_projection"
+) -> dict[str, Any]:
     """The ``HookedTransformerConfig`` arguments (kept with the weights so ``load_induction_model``
-    rebuilds the same model)."""
+    rebuilds the same model). With ``"after_projection"`` TL's own position embedding is ``standard``
+    with a frozen zero table (nothing enters the residual stream); the code is added in the attention."""
     task = task or InductionTask()
+    _check_positional(positional)
     return dict(
         n_layers=2,
         d_model=16,
@@ -127,24 +143,64 @@ def induction_model_config(task: InductionTask | None = None) -> dict[str, Any]:
         n_ctx=task.seq_len,
         d_vocab=task.d_vocab,
         d_vocab_out=task.d_vocab,
-        positional_embedding_type="shortformer",
+        positional_embedding_type="shortformer" if positional == "shortformer" else "standard",
         default_prepend_bos=False,
     )
 
 
-def _build(cfg: dict[str, Any]) -> HookedTransformer:
+def _check_positional(positional: str) -> None:
+    if positional not in POSITIONAL:
+        raise ValueError(f"positional={positional!r}: choose one of {POSITIONAL}")
+
+
+class PositionAfterProjection(Attention):
+    """TransformerLens attention with a fixed code added to the queries and keys after their hooks:
+    scores = (q + pe)(k + pe)ᵀ / √d_head, ``pe`` [n_ctx, heads, d_head] (the d_model-wide code split
+    into heads, as the reference adds it before splitting). Query positions are offset by the keys
+    already cached, so generation with a KV cache sees the same code."""
+
+    pe_qk: torch.Tensor
+
+    def calculate_attention_scores(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        start = k.shape[1] - q.shape[1]
+        q = q + self.pe_qk[start : start + q.shape[1]].to(q.dtype)
+        k = k + self.pe_qk[: k.shape[1]].to(k.dtype)
+        return super().calculate_attention_scores(q, k)
+
+
+def _build(cfg: dict[str, Any], positional: str = "shortformer") -> HookedTransformer:
+    _check_positional(positional)
     model = HookedTransformer(HookedTransformerConfig(**cfg))
+    n_ctx, d_model = cfg["n_ctx"], cfg["d_model"]
     with torch.no_grad():
-        model.pos_embed.W_pos.copy_(sinusoidal_positions(cfg["n_ctx"], cfg["d_model"]))
+        if positional == "shortformer":
+            model.pos_embed.W_pos.copy_(sinusoidal_positions(n_ctx, d_model))
+        else:
+            model.pos_embed.W_pos.zero_()
+            pe = sinusoidal_positions(n_ctx, cfg["n_heads"] * cfg["d_head"]).view(
+                n_ctx, cfg["n_heads"], cfg["d_head"]
+            )
+            for block in model.blocks:
+                block.attn.__class__ = PositionAfterProjection
+                block.attn.register_buffer("pe_qk", pe.clone(), persistent=False)
+            # the reference's projections and unembedding have no biases: TL's stay zero, frozen
+            for module in (*(block.attn for block in model.blocks), model.unembed):
+                for name, param in module.named_parameters(recurse=False):
+                    if name.startswith("b_"):
+                        param.zero_()
+                        param.requires_grad_(False)
     model.pos_embed.W_pos.requires_grad_(False)
     return model
 
 
-def induction_model(seed: int, task: InductionTask | None = None) -> HookedTransformer:
-    """A fresh model, initialised from ``seed`` (TL's GPT-2 init) without touching the global RNG."""
+def induction_model(
+    seed: int, task: InductionTask | None = None, positional: str = "after_projection"
+) -> HookedTransformer:
+    """A fresh model (``positional``: see the module docstring), initialised from ``seed`` (TL's GPT-2
+    init) without touching the global RNG."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return _build(induction_model_config(task))
+        return _build(induction_model_config(task, positional), positional)
 
 
 def final_logits(model: HookedTransformer, tokens: torch.Tensor) -> torch.Tensor:
@@ -227,6 +283,9 @@ class InductionTraining:
 
     steps: int = 20_000
     """most training steps"""
+    positional: str = "after_projection"
+    """after_projection: the reference's model (position code added to q and k after W_Q/W_K, no
+    biases); shortformer: TransformerLens's (code added to the input of W_Q/W_K)"""
     batch_size: int = 1024
     """sequences per step"""
     lr: float = 1e-3
@@ -236,7 +295,13 @@ class InductionTraining:
     plateau: bool = True
     """raise the lr x3 once after a 1500-step plateau (Plateau()); false: keep it fixed"""
     target_accuracy: float = 0.995
-    """stop when held-out accuracy reaches this (may be raised when resuming)"""
+    """stop when held-out accuracy reaches this (may be raised when resuming; 1.0 with stop_window: train
+    to the loss plateau)"""
+    stop_window: int = 0
+    """also stop when the held-out loss has not fallen by more than stop_tolerance (relative) over
+    this many steps (0: never; may change when resuming)"""
+    stop_tolerance: float = 0.01
+    """relative fall of the held-out loss that counts as progress for stop_window"""
     eval_every: int = 100
     """steps between held-out evaluations"""
     eval_size: int = 4096
@@ -277,8 +342,16 @@ class InductionTrainer(TrainingLoop):
         target_accuracy: float = InductionTraining.target_accuracy,
         checkpoint_every: int = InductionTraining.checkpoint_every,
         keep_checkpoints: int = InductionTraining.keep_checkpoints,
+        positional: str = InductionTraining.positional,
+        stop_window: int = InductionTraining.stop_window,
+        stop_tolerance: float = InductionTraining.stop_tolerance,
     ):
         task = task or InductionTask()
+        _check_positional(positional)
+        if stop_window < 0 or not 0 <= stop_tolerance < 1:
+            raise ValueError(
+                f"need stop_window >= 0 and 0 <= stop_tolerance < 1, got {stop_window}, {stop_tolerance}"
+            )
         if steps < 0 or batch_size <= 0 or eval_every <= 0 or eval_size <= 0 or checkpoint_every < 0:
             raise ValueError(
                 f"need steps >= 0, batch_size > 0, eval_every > 0, eval_size > 0, checkpoint_every >= 0; got "
@@ -296,9 +369,11 @@ class InductionTrainer(TrainingLoop):
             keep_checkpoints,
         )
         self.task, self.batch_size, self.lr, self.plateau = task, batch_size, lr, plateau
-        self.target_accuracy = target_accuracy
+        self.target_accuracy, self.positional = target_accuracy, positional
+        self.stop_window, self.stop_tolerance = stop_window, stop_tolerance
         self.config = {
             "task": asdict(task),
+            "positional": positional,
             "batch_size": batch_size,
             "lr": lr,
             "seed": seed,
@@ -306,8 +381,10 @@ class InductionTrainer(TrainingLoop):
             "eval_every": eval_every,
             "eval_size": eval_size,
             "target_accuracy": target_accuracy,
+            "stop_window": stop_window,
+            "stop_tolerance": stop_tolerance,
         }
-        self.model = induction_model(seed, task)
+        self.model = induction_model(seed, task, positional)
         self.optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=lr)
         self.generator = torch.Generator().manual_seed(seed)
         self.held_out = task.sample_batch(eval_size, torch.Generator().manual_seed(seed + EVAL_SEED_OFFSET))
@@ -361,16 +438,37 @@ class InductionTrainer(TrainingLoop):
         if record["eval_acc"] >= self.target_accuracy:
             state.solved = True
             history["events"].append({"step": state.step, "kind": "solved", "eval_acc": record["eval_acc"]})
+        elif self._loss_plateaued(history["records"]):
+            state.solved = True
+            history["events"].append(
+                {
+                    "step": state.step,
+                    "kind": "loss_plateau",
+                    "eval_loss": record["eval_loss"],
+                    "eval_acc": record["eval_acc"],
+                }
+            )
         for event in history["events"][n_events:]:
             log.info("event: %s", event)
         return {k: record[k] for k in ("loss", "acc", "eval_acc", "s_per_step")}
+
+    def _loss_plateaued(self, records: list[dict[str, float]]) -> bool:
+        """The held-out loss ``stop_window`` steps ago was at most (1 + stop_tolerance) x the best since."""
+        if not self.stop_window or not records or records[-1]["step"] < self.stop_window:
+            return False
+        then = [r for r in records if r["step"] <= records[-1]["step"] - self.stop_window]
+        if not then:
+            return False
+        since = min(r["eval_loss"] for r in records if r["step"] > then[-1]["step"])
+        return since >= then[-1]["eval_loss"] * (1 - self.stop_tolerance)
 
     def finish(self, metrics: dict[str, float]) -> tuple[HookedTransformer, dict[str, Any]]:
         self.out_dir.mkdir(parents=True, exist_ok=True)
         saved = {
             "state_dict": self.model.state_dict(),
-            "cfg": induction_model_config(self.task),
+            "cfg": induction_model_config(self.task, self.positional),
             "task": asdict(self.task),
+            "positional": self.positional,
         }
         atomic_write(self.out_dir / "model.pt", lambda tmp: torch.save(saved, tmp))
         _write_history(self.out_dir, self.history, self.state)
@@ -378,15 +476,20 @@ class InductionTrainer(TrainingLoop):
 
     # -- checkpoints (written and found by TrainingLoop) -------------------------------------------
     def resume_free(self) -> tuple[str, ...]:
-        return (
-            "target_accuracy",
-        )  # it only decides when to stop: a finished run may go on to a stricter one
+        # they only decide when to stop: a finished run may go on to a stricter rule
+        return ("target_accuracy", "stop_window", "stop_tolerance")
 
     def identity(self) -> dict[str, Any]:
         return {"config": self.config}
 
     def read_identity(self, folder: Path) -> dict[str, Any]:
-        return {"config": self.read_state(folder)["config"]}
+        # runs from before the options: shortformer, no loss-plateau stop
+        old = {
+            "positional": "shortformer",
+            "stop_window": 0,
+            "stop_tolerance": InductionTraining.stop_tolerance,
+        }
+        return {"config": {**old, **self.read_state(folder)["config"]}}
 
     def read_state(self, folder: Path) -> dict[str, Any]:
         return torch.load(folder / "state.pt", weights_only=True)
@@ -415,10 +518,14 @@ class InductionTrainer(TrainingLoop):
         self.generator.set_state(saved["generator"])
         self.state, self.history = _State(**saved["state"]), saved["history"]
         self.step = self.state.step
-        if self.history["config"]["target_accuracy"] != self.target_accuracy:
-            self.history["config"]["target_accuracy"] = self.target_accuracy
+        config = self.history["config"]
+        stop = ("target_accuracy", "stop_window", "stop_tolerance")
+        if any(config.get(key) != getattr(self, key) for key in stop):
+            config.update({key: getattr(self, key) for key in stop})
             records = self.history["records"]
-            self.state.solved = bool(records) and records[-1]["eval_acc"] >= self.target_accuracy
+            self.state.solved = bool(records) and (
+                records[-1]["eval_acc"] >= self.target_accuracy or self._loss_plateaued(records)
+            )
         log.info("resumed from %s at step %d", self.latest_checkpoint(), self.step)
 
 
@@ -511,7 +618,9 @@ def load_induction_model(path: str | Path) -> HookedTransformer:
     if not path.is_file():
         raise FileNotFoundError(f"no induction model at {path}: train one with train_induction_model")
     saved = torch.load(path, weights_only=True)
-    model = _build(saved["cfg"])
+    model = _build(
+        saved["cfg"], saved.get("positional", "shortformer")
+    )  # models saved before the option: shortformer
     model.load_state_dict(saved["state_dict"])
     model.pos_embed.W_pos.requires_grad_(False)
     return model

@@ -6,7 +6,8 @@
 - subset (partial) reconstruction: per position k ~ U{1..L}, a random k-subset of the modules replaced,
   the others keep the original weights (stochastic masks)
 - CI-masked reconstruction: D with masks = g and m_Δ = 1, no noise
-- importance minimality: Σ_l Σ_c mean over positions of (g_upper + ε)^p
+- importance minimality: Σ_l Σ_c mean over positions of (g_upper + ε)^p (``reduce="sum"``: summed over
+  a sequence's positions, averaged over sequences — the pressure per position a last-position KL gets)
 
 r ~ U(0, 1) ("continuous") or Bernoulli(½) ("binomial"), one draw per loss term and step.
 
@@ -51,9 +52,18 @@ def kl_divergence(target_logits: torch.Tensor, logits: torch.Tensor, positions: 
     return (target.exp() * (target - F.log_softmax(logits.float(), dim=-1))).sum(-1).mean()
 
 
-def importance_minimality_loss(ci: CI, p: float, eps: float = 1e-12) -> torch.Tensor:
-    """Σ_l Σ_c mean over positions of (g_upper + ε)^p."""
-    return sum(((g_upper + eps) ** p).sum(-1).mean() for _, g_upper in ci.values())
+MINIMALITY_REDUCE = ("mean", "sum")
+
+
+def importance_minimality_loss(ci: CI, p: float, eps: float = 1e-12, reduce: str = "mean") -> torch.Tensor:
+    """Σ_l Σ_c (g_upper + ε)^p, averaged over batch and positions (``reduce="mean"``), or summed over
+    each sequence's positions and averaged over the batch (``"sum"``)."""
+    if reduce not in MINIMALITY_REDUCE:
+        raise ValueError(f"reduce={reduce!r}: choose one of {MINIMALITY_REDUCE}")
+    per_position = [((g_upper + eps) ** p).sum(-1) for _, g_upper in ci.values()]  # each [b, p]
+    if reduce == "sum":
+        return sum(t.sum(-1).mean() for t in per_position)
+    return sum(t.mean() for t in per_position)
 
 
 def stochastic_masks(ci: CI, mask_type: str, generator: torch.Generator | None = None) -> tuple[dict, dict]:

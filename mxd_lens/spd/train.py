@@ -3,8 +3,19 @@
 A step: one clean forward (target logits and every module's input, no grad), the CI functions on those
 inputs, the reconstruction terms with nonzero coefficients as one fused forward of the decomposed
 model, faithfulness and minimality, backward, AdamW (no weight decay). p of the minimality loss goes
-linearly from ``p_start`` (step 0) to ``p_end`` (last step); the learning rate warms up linearly, then
-stays constant or follows a cosine to 0.
+linearly from ``p_start`` (step 0) to ``p_end``, reached after ``p_anneal_fraction`` of the steps and
+kept after (``p_start == p_end``: the reference's constant p); the learning rate warms up linearly,
+then stays constant or follows a cosine to 0.
+
+Normalisation: the KL is averaged over batch and ``positions`` ("all", as the reference, or "last");
+the minimality is averaged over positions (``minimality_reduce="mean"``) or summed over a sequence's
+positions (``"sum"``). With a last-position KL and the mean, the minimality's pressure per position is
+1/T of the KL's at the last position; "sum" makes it equal, as "all" with "mean" does.
+
+Faithfulness warmup (the reference's): before step 0, ``faithfulness_warmup_steps`` AdamW steps on the
+faithfulness loss alone, on the components only (lr ``faithfulness_warmup_lr``, weight decay
+``faithfulness_warmup_weight_decay``); deterministic, so a run killed before its first checkpoint
+repeats it exactly. Its start and end loss go to ``out_dir/faithfulness_warmup.json``.
 
 Checkpoints (``out_dir/checkpoints/step_NNNNNNNNN/state.pt``) hold the decomposition, the optimizer,
 the mask generator's state, the step and the metric history; each is written to a temporary folder and
@@ -16,6 +27,7 @@ fast-forwarded by drawing the batches already used).
 from __future__ import annotations
 
 import json
+import logging
 import math
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass
@@ -30,6 +42,7 @@ from mxd_lens.spd.ci import CI_TYPES
 from mxd_lens.spd.components import Decomposition
 from mxd_lens.spd.losses import (
     MASK_TYPES,
+    MINIMALITY_REDUCE,
     POSITIONS,
     RECONSTRUCTIONS,
     importance_minimality_loss,
@@ -39,6 +52,8 @@ from mxd_lens.spd.losses import (
 
 if TYPE_CHECKING:
     from transformer_lens import HookedTransformer
+
+log = logging.getLogger(__name__)
 
 COEFFICIENTS = ("faithfulness", *RECONSTRUCTIONS, "minimality")
 # Settings that may change between a checkpoint and its resumption without changing what is trained.
@@ -68,7 +83,12 @@ class SPDConfig:
     minimality: float = 1e-2
     p_start: float = 2.0
     p_end: float = 1.0
+    p_anneal_fraction: float = 1.0  # p reaches p_end after this fraction of the steps, then stays
     positions: Literal["all", "last"] = "all"
+    minimality_reduce: Literal["mean", "sum"] = "mean"  # over positions; see the module docstring
+    faithfulness_warmup_steps: int = 0
+    faithfulness_warmup_lr: float = 1e-2
+    faithfulness_warmup_weight_decay: float = 0.1
     fuse_runs: bool = True  # all reconstruction forwards as one (more memory, far less overhead)
     seed: int = 0
     log_every: int = 10
@@ -91,9 +111,17 @@ class SPDConfig:
             ("ci", self.ci, tuple(CI_TYPES)),
             ("mask_type", self.mask_type, MASK_TYPES),
             ("positions", self.positions, POSITIONS),
+            ("minimality_reduce", self.minimality_reduce, MINIMALITY_REDUCE),
         ):
             if value not in allowed:
                 raise ValueError(f"{name}={value!r}: choose one of {allowed}")
+        if not 0 < self.p_anneal_fraction <= 1:
+            raise ValueError(f"p_anneal_fraction={self.p_anneal_fraction} must be in (0, 1]")
+        if self.faithfulness_warmup_steps < 0 or not self.faithfulness_warmup_lr > 0:
+            raise ValueError(
+                f"need faithfulness_warmup_steps >= 0 and faithfulness_warmup_lr > 0, got "
+                f"{self.faithfulness_warmup_steps}, {self.faithfulness_warmup_lr}"
+            )
         negative = {name: getattr(self, name) for name in COEFFICIENTS if not getattr(self, name) >= 0}
         if negative:
             raise ValueError(f"loss coefficients must be >= 0 (and not NaN); got {negative}")
@@ -107,7 +135,8 @@ class SPDConfig:
         return scheduled_lr(step, self.steps, self.lr, self.warmup_steps, self.lr_schedule)
 
     def p_at(self, step: int) -> float:
-        return self.p_start + (self.p_end - self.p_start) * step / max(1, self.steps - 1)
+        span = max(1.0, self.p_anneal_fraction * (self.steps - 1))
+        return self.p_start + (self.p_end - self.p_start) * min(1.0, step / span)
 
     def decomposition_kwargs(self) -> dict[str, Any]:
         return dict(
@@ -168,6 +197,40 @@ class SPDTrainer(TrainingLoop):
             for param, flag in frozen:
                 param.requires_grad_(flag)
 
+    def _run(self) -> Any:
+        if self.step == 0 and self.config.faithfulness_warmup_steps:
+            self.faithfulness_warmup()
+        return super()._run()
+
+    def faithfulness_warmup(self) -> dict[str, float]:
+        """The warmup stage (module docstring); returns and writes its start and end loss."""
+        cfg = self.config
+        parameters = [
+            p for name, p in self.decomposition.named_parameters() if name.startswith("components.")
+        ]
+        optimizer = torch.optim.AdamW(
+            parameters, lr=cfg.faithfulness_warmup_lr, weight_decay=cfg.faithfulness_warmup_weight_decay
+        )
+        start = end = float(self.decomposition.faithfulness_loss().detach())
+        for _ in range(cfg.faithfulness_warmup_steps):
+            optimizer.zero_grad(set_to_none=True)
+            loss = self.decomposition.faithfulness_loss()
+            self.check_loss(loss, "faithfulness warmup loss")
+            loss.backward()
+            optimizer.step()
+            end = float(loss.detach())
+        end = float(self.decomposition.faithfulness_loss().detach())
+        record = {
+            "steps": cfg.faithfulness_warmup_steps,
+            "faithfulness_start": start,
+            "faithfulness_end": end,
+        }
+        log.info("faithfulness warmup: %d steps, %.3g -> %.3g", record["steps"], start, end)
+        if self.out_dir is not None:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(self.out_dir / "faithfulness_warmup.json", json.dumps(record, indent=1))
+        return record
+
     # -- the loop (mxd_lens.loop.TrainingLoop runs it) --------------------------------------------
     def lr_at(self, step: int) -> float:
         return self.config.lr_at(step)
@@ -211,7 +274,7 @@ class SPDTrainer(TrainingLoop):
             )
         p = cfg.p_at(self.step)
         if cfg.minimality:
-            terms["minimality"] = importance_minimality_loss(ci, p)
+            terms["minimality"] = importance_minimality_loss(ci, p, reduce=cfg.minimality_reduce)
         loss = sum(getattr(cfg, name) * value for name, value in terms.items())
         self.check_loss(loss, "SPD loss", {name: float(value.detach()) for name, value in terms.items()})
         self.optimizer.zero_grad(set_to_none=True)
@@ -279,6 +342,15 @@ class SPDTrainer(TrainingLoop):
 
     def identity(self) -> dict[str, Any]:
         return {"config": asdict(self.config), "decomposition": self.decomposition.config()}
+
+    def read_identity(self, folder: Path) -> dict[str, Any]:
+        saved = super().read_identity(folder)
+        # checkpoints from before these options trained as their defaults do
+        since = ("p_anneal_fraction", "minimality_reduce", "faithfulness_warmup_steps",
+                 "faithfulness_warmup_lr", "faithfulness_warmup_weight_decay")  # fmt: skip
+        defaults = asdict(SPDConfig())
+        saved["config"] = {**{k: defaults[k] for k in since}, **saved.get("config", {})}
+        return saved
 
     def write_state(self, folder: Path) -> None:
         torch.save(
