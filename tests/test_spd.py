@@ -498,7 +498,9 @@ def test_faithfulness_warmup_fits_the_components_first_and_resume_stays_exact(tm
     ci_before = {k: v.clone() for k, v in warm.decomposition.state_dict().items() if k.startswith("ci.")}
     record = warm.faithfulness_warmup()
     assert record["faithfulness_end"] < 0.05 * record["faithfulness_start"]
-    assert record["faithfulness_start"] == pytest.approx(float(cold.decomposition.faithfulness_loss().detach()))
+    assert record["faithfulness_start"] == pytest.approx(
+        float(cold.decomposition.faithfulness_loss().detach())
+    )
     for key, value in ci_before.items():  # the CI functions are not touched
         assert torch.equal(value, warm.decomposition.state_dict()[key]), key
     whole = SPDTrainer(model, names, _batches, config, tmp_path / "whole", progress=False)

@@ -153,3 +153,55 @@ def test_study_report_figure_and_table(setup, tmp_path) -> None:
         and rows[2].split("|")[1].strip() == "Q0"
         and "1 at m" in rows[2]
     )
+
+
+# -- diagnostics: what the model allows, what SPD found ---------------------------------------------
+def test_rank_replacement_is_exact_at_full_rank_and_for_a_rank_one_weight(tmp_path) -> None:
+    from mxd_lens.spd.induction import train_induction_model
+    from mxd_lens.spd.report import rank_replacement
+
+    model, _ = train_induction_model(  # a model that uses the circuit (solved in ~70 steps)
+        tmp_path, steps=300, lr=3e-2, task=TASK, plateau=None, eval_every=10, checkpoint_every=0,
+        batch_size=64, eval_size=256, progress=False,
+    )  # fmt: skip
+    batch = TASK.sample_batch(32, torch.Generator().manual_seed(2))
+    clean_acc = accuracy(model, batch.tokens, batch.labels)
+    full = rank_replacement(model, batch, ranks=(1, 16))
+    assert set(full) == set(EXPECTED_CIRCUIT)
+    for name, rows in full.items():
+        last = rows[-1]
+        assert last["rank"] == 16 and last["accuracy"] == clean_acc and last["kl"] < 1e-9, name
+    # K0 and V0 read the same token (S) at every s1: one output vector, so rank 1 is exact there
+    for name in ("blocks.0.attn.W_K", "blocks.0.attn.W_V"):
+        assert full[name][0]["kl"] < 1e-6, name
+    # V1 at m carries M's identity (8 tokens): rank 1 loses most of the accuracy ...
+    assert full["blocks.1.attn.W_V"][0]["kl"] > 0.1 and full["blocks.1.attn.W_V"][0]["accuracy"] < 0.6
+    # ... and is exact once W_V1 is rank 1 itself (then its outputs are rank 1 at every position)
+    with torch.no_grad():
+        W = model.blocks[1].attn.W_V[0]
+        u, s, vh = torch.linalg.svd(W)
+        W.copy_(s[0] * u[:, :1] @ vh[:1])
+    (row,) = rank_replacement(model, batch, ranks=(1,), modules=["blocks.1.attn.W_V"])["blocks.1.attn.W_V"]
+    assert row["kl"] < 1e-9 and row["accuracy"] == accuracy(model, batch.tokens, batch.labels)
+
+
+def test_components_carrying_matches_a_brute_force_count(setup) -> None:
+    from mxd_lens.spd.report import components_carrying
+
+    model, decomposition, batch = setup
+    got = components_carrying(decomposition, batch, fraction=0.9, chunk=7)
+    _, inputs = decomposition.run_clean(model, batch.tokens)
+    classes = position_classes(batch.s1, TASK.seq_len)
+    for name, (where, _) in EXPECTED_CIRCUIT.items():
+        part = decomposition._components(name)
+        counts = []
+        for x in inputs[name][classes == POSITION_CLASSES.index(where)]:
+            terms = [((x @ part.V[:, c]) * part.U[c]).detach() for c in range(part.V.shape[1])]
+            total = sum(terms)
+            ranked = sorted(terms, key=lambda t: -float(t.norm()))
+            n = next(n for n in range(1, len(ranked) + 1)
+                     if float((sum(ranked[:n]) - total).pow(2).sum()) <= 0.1 * float(total.pow(2).sum()))  # fmt: skip
+            counts.append(n)
+        assert got[name] == pytest.approx(sum(counts) / len(counts)), name
+    with pytest.raises(ValueError, match="fraction=0"):
+        components_carrying(decomposition, batch, fraction=0)

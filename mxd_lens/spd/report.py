@@ -209,6 +209,115 @@ def compare_with_expected(modules: dict[str, dict[str, Any]], at_least: float = 
     return out
 
 
+RANKS = (1, 2, 3, 4, 6, 8, 16)
+
+
+@torch.no_grad()
+def rank_replacement(
+    model: Any,
+    batch: InductionBatch,
+    ranks: Sequence[int] = RANKS,
+    modules: Sequence[str] | None = None,
+    chunk: int = 64,
+) -> dict[str, list[dict[str, float]]]:
+    """What the model allows: for each module of ``EXPECTED_CIRCUIT`` (or ``modules``) and each rank r,
+    the accuracy and KL(clean ‖ replaced) at the final position when that module's output at its
+    expected positions (only there) is replaced by the best rank-r map of its input.
+
+    "Best" in output error on ``batch``: with Y the module's outputs there minus its bias, the best
+    rank-r Ŷ is Y P_r (Eckart–Young; P_r projects on Y's top r right singular vectors), and Y P_r =
+    X (W P_r) is the output of the rank-r map W P_r. SPD can give the module one component at a
+    position only if rank 1 already keeps the accuracy: when it does not, a failure to find one is
+    the model's (calibration), not SPD's (consolidation). {name: [{rank, accuracy, kl}, ...]}."""
+    from mxd_lens.spd.sites import read_weight, resolve
+
+    tokens, labels = batch.tokens, batch.labels
+    classes = position_classes(batch.s1, tokens.shape[1])
+    names = [n for n in (modules or EXPECTED_CIRCUIT) if n in EXPECTED_CIRCUIT]
+    clean = torch.cat([model(tokens[rows])[:, -1] for rows in _chunks(len(tokens), chunk)])
+    out: dict[str, list[dict[str, float]]] = {}
+    for name in names:
+        site = resolve(model, name)
+        _, bias = read_weight(model, name)
+        where = classes == POSITION_CLASSES.index(EXPECTED_CIRCUIT[name][0])
+        seen: list[torch.Tensor] = []
+        model.run_with_hooks(tokens, fwd_hooks=[(site.writes, _collect(seen, where, bias))])
+        outputs = torch.cat(seen)
+        _, _, vt = torch.linalg.svd(outputs.double(), full_matrices=False)
+        rows_out = []
+        for r in ranks:
+            if r > vt.shape[0]:
+                continue
+            P = (vt[:r].T @ vt[:r]).to(outputs.dtype)
+            replaced = torch.cat(
+                [
+                    model.run_with_hooks(
+                        tokens[rows], fwd_hooks=[(site.writes, _project(P, where[rows], bias))]
+                    )[:, -1]
+                    for rows in _chunks(len(tokens), chunk)
+                ]
+            )
+            rows_out.append(
+                {
+                    "rank": r,
+                    "accuracy": float((replaced.argmax(-1) == labels).float().mean()),
+                    "kl": float(kl_divergence(clean[:, None], replaced[:, None])),
+                }
+            )
+        out[name] = rows_out
+    return out
+
+
+def _collect(store: list, where: torch.Tensor, bias: torch.Tensor | None):
+    """A hook keeping the site's outputs minus its bias at ``where`` [b, p] (heads flattened)."""
+
+    def hook(y: torch.Tensor, hook: Any) -> None:
+        store.append(y.flatten(2)[where] - (0.0 if bias is None else bias))
+
+    return hook
+
+
+def _project(P: torch.Tensor, where: torch.Tensor, bias: torch.Tensor | None):
+    """A hook putting (y − b) P + b in place of the site's output y at ``where`` [b, p]."""
+    b = 0.0 if bias is None else bias
+
+    def hook(y: torch.Tensor, hook: Any) -> torch.Tensor:
+        flat = y.flatten(2)
+        return torch.where(where[..., None], (flat - b) @ P + b, flat).view(y.shape)
+
+    return hook
+
+
+@torch.no_grad()
+def components_carrying(
+    decomposition: Decomposition, batch: InductionBatch, fraction: float = 0.9, chunk: int = 64
+) -> dict[str, float]:
+    """What SPD found: for each module of ``EXPECTED_CIRCUIT`` it decomposes, the mean (over the
+    expected positions) of the fewest components whose contributions h_c u_c, largest first, leave
+    at most 1 - ``fraction`` of the squared norm of the components' sum h U unexplained."""
+    if not 0 < fraction <= 1:
+        raise ValueError(f"fraction={fraction} must be in (0, 1]")
+    tokens = batch.tokens
+    classes = position_classes(batch.s1, tokens.shape[1])
+    names = [n for n in decomposition.names if n in EXPECTED_CIRCUIT]
+    counts: dict[str, list[torch.Tensor]] = {n: [] for n in names}
+    for rows in _chunks(len(tokens), chunk):
+        _, inputs = decomposition.run_clean(decomposition.model, tokens[rows])
+        for name in names:
+            part = decomposition._components(name)
+            where = classes[rows] == POSITION_CLASSES.index(EXPECTED_CIRCUIT[name][0])
+            h = inputs[name][where].to(part.V.dtype) @ part.V  # [n, C]
+            each = h[..., None] * part.U  # [n, C, d_out]
+            total = each.sum(1)
+            order = each.norm(dim=-1).argsort(-1, descending=True)
+            partial = each.gather(1, order[..., None].expand_as(each)).cumsum(1)  # top-1, top-2, ...
+            left = (partial - total[:, None]).pow(2).sum(-1) / total.pow(2).sum(-1, keepdim=True).clamp_min(
+                1e-30
+            )
+            counts[name].append(((left > 1 - fraction).sum(-1) + 1).clamp(max=h.shape[-1]).float())
+    return {name: float(torch.cat(c).mean()) for name, c in counts.items()}
+
+
 @torch.no_grad()
 def study_report(
     decomposition: Decomposition,
@@ -226,7 +335,9 @@ def study_report(
     - ``per_module_ci_masked``: {name: {accuracy, kl}} with only that module masked by g;
     - ``losses``: faithfulness, stochastic and CI-masked KL (as in training: ``positions``), CI-L0;
     - ``modules``: {name: ci_position_summary}, plus ``n_alive``;
-    - ``expected``: compare_with_expected.
+    - ``expected``: compare_with_expected;
+    - ``diagnostics``: ``rank_replacement`` (what the model allows at each expected position) and
+      ``components_carrying_90`` (what SPD found there), to tell calibration from consolidation.
     """
     tokens, labels = batch.tokens, batch.labels
     classes = position_classes(batch.s1, tokens.shape[1])
@@ -259,6 +370,12 @@ def study_report(
         "losses": loss_metrics(decomposition, tokens, positions, mask_type, seed, chunk),
         "modules": modules,
         "expected": compare_with_expected(modules),
+        "diagnostics": {
+            "rank_replacement": rank_replacement(
+                decomposition.model, batch, modules=decomposition.names, chunk=chunk
+            ),
+            "components_carrying_90": components_carrying(decomposition, batch, 0.9, chunk),
+        },
     }
 
 
@@ -392,6 +509,9 @@ def module_table(report: dict[str, Any]) -> str:
         "expected",
         "n ≥ 0.5 there",
         "acc / KL, only it CI-masked",
+        "rank-1 acc there",
+        "rank for acc ≥ 0.99",
+        "components for 90%",
     ]
     rows = []
     for name, summary in report["modules"].items():
@@ -404,9 +524,24 @@ def module_table(report: dict[str, Any]) -> str:
             f"{expected['expected_components']} at {expected['expected_position']}" if expected else "–",
             str(expected["n_at_expected"]) if expected else "–",
             f"{alone['accuracy']:.3f} / {alone['kl']:.3g}",
+            *_diagnostic_cells(report.get("diagnostics", {}), name),
         ]
         rows.append(cells)
     return _markdown(head, rows)
+
+
+def _diagnostic_cells(diagnostics: dict[str, Any], name: str) -> list[str]:
+    ranks = diagnostics.get("rank_replacement", {}).get(name)
+    carrying = diagnostics.get("components_carrying_90", {}).get(name)
+    if not ranks:
+        return ["–", "–", "–" if carrying is None else f"{carrying:.2f}"]
+    first = next((r for r in ranks if r["rank"] == 1), None)
+    enough = next((r["rank"] for r in ranks if r["accuracy"] >= 0.99), None)
+    return [
+        "–" if first is None else f"{first['accuracy']:.3f}",
+        f"{enough}" if enough is not None else f"> {ranks[-1]['rank']}",
+        "–" if carrying is None else f"{carrying:.2f}",
+    ]
 
 
 def _markdown(head: list[str], rows: list[list[str]]) -> str:
