@@ -336,3 +336,44 @@ def test_induction_spd_study_train_report_summary(tmp_path):
         study_lib.train_variant(
             study_lib.InductionSPDStudy(variant="token-stoch", model=str(tmp_path / "x.pt")), tmp_path
         )
+
+
+def test_the_reference_recipe_is_goodfire_spds_ih_config_and_overrides_get_their_own_folder() -> None:
+    from mxd_lens.spd.induction_study import InductionSPDStudy, make_config
+
+    ref = make_config("ref-token-stoch", steps=1000, batch_size=16)
+    assert (ref.C, ref.ci_hidden, ref.ci, ref.faithfulness, ref.faithfulness_warmup_steps) == (
+        100,
+        128,
+        "token",
+        100.0,
+        200,
+    )
+    assert (ref.faithfulness_warmup_lr, ref.faithfulness_warmup_weight_decay) == (1e-2, 0.1)
+    assert (ref.stochastic_recon, ref.layerwise_recon, ref.ci_masked_recon, ref.subset_recon) == (
+        1.0,
+        1.0,
+        1.0,
+        0.0,
+    )
+    assert (ref.minimality, ref.p_at(0), ref.p_at(999), ref.positions, ref.minimality_reduce) == (
+        1e-2,
+        0.1,
+        0.1,
+        "all",
+        "mean",
+    )
+    first = make_config("sequence-subset", steps=1000, batch_size=16)
+    assert (first.C, first.faithfulness, first.positions, first.p_at(0), first.subset_recon) == (
+        32,
+        1e5,
+        "last",
+        2.0,
+        1.0,
+    )
+    assert InductionSPDStudy("ref-sequence-subset").name == "ref-sequence-subset"
+    assert InductionSPDStudy("ref-sequence-subset", C=100, ci_hidden=16).name == "ref-sequence-subset-h16"
+    assert InductionSPDStudy("token-stoch", minimality=0.1, C=64).name == "token-stoch-min0.1-c64"
+    assert InductionSPDStudy("ref-token-subset", ci_hidden=16).config().ci_hidden == 16
+    with pytest.raises(ValueError, match="variant='nope'"):
+        make_config("nope", 10, 16)

@@ -1,14 +1,21 @@
-"""SPD of the toy induction model's 8 attention projections (Q, K, V, O x 2 layers), four variants:
-CI function {token, sequence} x {stochastic + subset reconstruction, stochastic only}
+"""SPD of the toy induction model's 8 attention projections (Q, K, V, O x 2 layers): CI function
+{token, sequence} x {stochastic + subset reconstruction, stochastic only}, under two recipes
 (analyses/spd_induction.py is the command line).
 
-Variants: token-subset, token-stoch, sequence-subset, sequence-stoch. Settings (fixed per variant,
-recorded in OUT/VARIANT/run_config.json, refused on resume if changed): C = 32, AdamW lr 1e-3
-constant, faithfulness 1e5 with the delta component, stochastic recon 1, subset recon 1 (or 0),
-minimality 1e-2 with p linear 2 -> 0.3, continuous masks, KL at the last position only (the model is
-trained only there). Training batches: fresh InductionTask sequences, step s drawn from a generator
-seeded with 10_000 + s; the evaluation batch (512 sequences) from seed 7_777_777. Any minimality
-other than 1e-2 writes OUT/VARIANT-minM/.
+- **first recipe** (variants token-subset, token-stoch, sequence-subset, sequence-stoch): C = 32, CI
+  hidden 16, AdamW lr 1e-3 constant, faithfulness 1e5 with the delta component, stochastic recon 1,
+  subset recon 1 (or 0), minimality 1e-2 with p linear 2 -> 0.3, continuous masks, KL at the last
+  position only (the model is trained only there), minimality averaged over all positions.
+- **reference recipe** (the same four with a ``ref-`` prefix), goodfire-ai/spd's
+  ``ih_config.yaml``: C = 100, CI hidden 128, lr 1e-3 constant, faithfulness 100 after a 200-step
+  faithfulness warmup (lr 1e-2, weight decay 0.1), stochastic, layerwise and CI-masked recon 1 each
+  (plus subset recon 1 in the -subset variants), minimality 1e-2 at constant p = 0.1, KL and
+  minimality both averaged over all positions.
+
+Settings are fixed per variant, recorded in OUT/VARIANT/run_config.json and refused on resume if
+changed. Training batches: fresh InductionTask sequences, step s drawn from a generator seeded with
+10_000 + s; the evaluation batch (512 sequences) from seed 7_777_777. A minimality, C or CI width
+other than the recipe's writes OUT/VARIANT-minM-cC-hH/ (only the parts that differ).
 
 ``train_variant`` writes OUT/VARIANT/{checkpoints/, metrics.json, run_config.json, train_log.jsonl};
 ``report_variant`` OUT/VARIANT/{report.json, ci_by_position.png}; ``summarize_variants``
@@ -34,18 +41,37 @@ from mxd_lens.spd.train import SPDConfig, SPDTrainer
 
 log = logging.getLogger(__name__)
 
-VARIANTS = {
+_BASE_VARIANTS = {
     "token-subset": dict(ci="token", subset_recon=1.0),
     "token-stoch": dict(ci="token", subset_recon=0.0),
     "sequence-subset": dict(ci="sequence", subset_recon=1.0),
     "sequence-stoch": dict(ci="sequence", subset_recon=0.0),
 }
-TITLES = {
+VARIANTS = {**_BASE_VARIANTS, **{f"ref-{name}": settings for name, settings in _BASE_VARIANTS.items()}}
+_BASE_TITLES = {
     "token-subset": "token CI (vector MLP), stochastic + subset reconstruction",
     "token-stoch": "token CI (vector MLP), stochastic reconstruction only",
     "sequence-subset": "sequence CI (causal attention), stochastic + subset reconstruction",
     "sequence-stoch": "sequence CI (causal attention), stochastic reconstruction only",
 }
+TITLES = {
+    **_BASE_TITLES,
+    **{f"ref-{name}": f"reference recipe, {title}" for name, title in _BASE_TITLES.items()},
+}
+# What each recipe sets (the variant adds ci and subset_recon).
+RECIPES: dict[str, dict[str, Any]] = {
+    "first": dict(C=32, ci_hidden=16, faithfulness=1e5, layerwise_recon=0.0, ci_masked_recon=0.0,
+                  p_start=2.0, p_end=0.3, positions="last"),
+    "reference": dict(C=100, ci_hidden=128, faithfulness=100.0, faithfulness_warmup_steps=200,
+                      faithfulness_warmup_lr=1e-2, faithfulness_warmup_weight_decay=0.1,
+                      layerwise_recon=1.0, ci_masked_recon=1.0, p_start=0.1, p_end=0.1, positions="all"),
+}  # fmt: skip
+
+
+def recipe_of(variant: str) -> str:
+    return "reference" if variant.startswith("ref-") else "first"
+
+
 DATA_SEED = 10_000
 EVAL_SEED = 7_777_777
 EVAL_SIZE = 512
@@ -67,34 +93,44 @@ def choose_model(root: Path) -> Path:
 DEFAULT_MINIMALITY = 1e-2
 
 
-def run_name(variant: str, minimality: float) -> str:
-    return variant if minimality == DEFAULT_MINIMALITY else f"{variant}-min{minimality:g}"
+def run_name(variant: str, minimality: float, C: int | None = None, ci_hidden: int | None = None) -> str:
+    recipe = RECIPES[recipe_of(variant)]
+    parts = [variant]
+    if minimality != DEFAULT_MINIMALITY:
+        parts.append(f"min{minimality:g}")
+    if C is not None and C != recipe["C"]:
+        parts.append(f"c{C}")
+    if ci_hidden is not None and ci_hidden != recipe["ci_hidden"]:
+        parts.append(f"h{ci_hidden}")
+    return "-".join(parts)
 
 
 def make_config(
-    variant: str, steps: int, batch_size: int, minimality: float = DEFAULT_MINIMALITY
+    variant: str,
+    steps: int,
+    batch_size: int,
+    minimality: float = DEFAULT_MINIMALITY,
+    C: int | None = None,
+    ci_hidden: int | None = None,
 ) -> SPDConfig:
+    if variant not in VARIANTS:
+        raise ValueError(f"variant={variant!r}: choose one of {list(VARIANTS)}")
+    recipe = dict(RECIPES[recipe_of(variant)])
+    recipe.update({k: v for k, v in (("C", C), ("ci_hidden", ci_hidden)) if v is not None})
     return SPDConfig(
-        C=32,
         steps=steps,
         batch_size=batch_size,
         lr=1e-3,
         lr_schedule="constant",
         mask_type="continuous",
         delta=True,
-        faithfulness=1e5,
         stochastic_recon=1.0,
-        layerwise_recon=0.0,
-        ci_masked_recon=0.0,
         minimality=minimality,
-        p_start=2.0,
-        p_end=0.3,
-        positions="last",
-        ci_hidden=16,
         seed=0,
         log_every=10,
         checkpoint_every=250,
         keep_checkpoints=2,
+        **recipe,
         **VARIANTS[variant],
     )
 
@@ -120,8 +156,11 @@ def build_trainer(out: Path, model_path: Path, config: SPDConfig, progress: bool
 class InductionSPDStudy:
     """One SPD run of the toy induction model's attention projections."""
 
-    variant: Literal["token-subset", "token-stoch", "sequence-subset", "sequence-stoch"] = "sequence-subset"
-    """CI function x reconstruction terms"""
+    variant: Literal[
+        "token-subset", "token-stoch", "sequence-subset", "sequence-stoch",
+        "ref-token-subset", "ref-token-stoch", "ref-sequence-subset", "ref-sequence-stoch",
+    ] = "sequence-subset"  # fmt: skip
+    """CI function x reconstruction terms (ref-: the reference recipe, see the module docstring)"""
     model: str | None = None
     """model.pt (default: model-long if trained further, else model, under the results root)"""
     steps: int = 6000
@@ -130,15 +169,18 @@ class InductionSPDStudy:
     """sequences per step"""
     minimality: float = DEFAULT_MINIMALITY
     """minimality coefficient"""
+    C: int | None = None
+    """components per module (default: the recipe's, 32 or 100)"""
+    ci_hidden: int | None = None
+    """CI hidden width (default: the recipe's, 16 or 128)"""
 
     @property
     def name(self) -> str:
-        return run_name(self.variant, self.minimality)
+        return run_name(self.variant, self.minimality, self.C, self.ci_hidden)
 
     def config(self, steps: int | None = None) -> SPDConfig:
-        return make_config(
-            self.variant, self.steps if steps is None else steps, self.batch_size, self.minimality
-        )
+        steps = self.steps if steps is None else steps
+        return make_config(self.variant, steps, self.batch_size, self.minimality, self.C, self.ci_hidden)
 
 
 def train_variant(study: InductionSPDStudy, root: str | Path, progress: bool = True) -> dict[str, Any]:
@@ -237,7 +279,7 @@ def summarize_variants(root: str | Path) -> str:
     comparison table."""
     root = Path(root)
     reports = {}
-    extra = sorted(p.parent.name for p in root.glob("*-min*/report.json"))
+    extra = sorted(p.parent.name for p in root.glob("*/report.json") if p.parent.name not in VARIANTS)
     for variant in [*VARIANTS, *extra]:
         path = root / variant / "report.json"
         if path.is_file():
