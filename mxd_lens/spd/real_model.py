@@ -558,9 +558,27 @@ def results_markdown(report: dict, scores: dict, final: dict, by_ci: dict, comma
     name = final["module"]
     chosen = final["chosen"]
     d_in = 1536 if name.endswith(("W_out",)) else 576
+    control = cfg["init"] == "svd"
+    title = (
+        f"### SVD basis + learned CI: a control, not an SPD decomposition (SmolLM2-135M-Instruct, `{name}`)"
+        if control
+        else f"### SPD component ablation on SmolLM2-135M-Instruct (`{name}`)"
+    )
     lines = [
-        f"### SPD component ablation on SmolLM2-135M-Instruct (`{name}`)",
+        title,
         "",
+        *(
+            [
+                "With `init svd` and C = rank the components start as W's singular directions (faithfulness 0) "
+                "and a short run leaves them there; what is learned is the causal-importance function over a "
+                "fixed basis. It is reported as a control for a true decomposition from random init (C >= rank, "
+                "faithfulness warmup, p below 1, CI-masked term, many more tokens, run to convergence); no "
+                "concept component is claimed from it.",
+                "",
+            ]
+            if control
+            else []
+        ),
         f"Command: `{command}` (torch threads 1, on the shared 2-core machine; `HF_HUB_OFFLINE=1`). "
         "Outputs: `results/spd-ablation/` (decomposition.json, scores.json, ablation.json, by_ci.json, "
         "ablation.png, spd/metrics.json); copies in `docs/results/spd/spd-ablation*` (metrics.json as "
