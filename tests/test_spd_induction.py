@@ -264,7 +264,7 @@ def test_training_stops_when_solved(tmp_path) -> None:
 
 def test_training_stops_on_a_loss_plateau_and_the_rule_may_change_on_resume(tmp_path) -> None:
     kwargs = dict(lr=1e-5, task=InductionTask(n_base_tokens=8, seq_len=8), plateau=None, eval_every=10,
-                  checkpoint_every=10, batch_size=32, eval_size=64, progress=False, target_accuracy=1.0)  # fmt: skip
+                  checkpoint_every=10, batch_size=32, eval_size=64, progress=False, target_accuracy=None)  # fmt: skip
     _, history = train_induction_model(tmp_path, steps=500, stop_window=30, stop_tolerance=0.5, **kwargs)
     (event,) = history["events"]
     records = history["records"]

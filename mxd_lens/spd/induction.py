@@ -294,9 +294,9 @@ class InductionTraining:
     """init and data seed"""
     plateau: bool = True
     """raise the lr x3 once after a 1500-step plateau (Plateau()); false: keep it fixed"""
-    target_accuracy: float = 0.995
-    """stop when held-out accuracy reaches this (may be raised when resuming; 1.0 with stop_window: train
-    to the loss plateau)"""
+    target_accuracy: float | None = 0.995
+    """stop when held-out accuracy reaches this (may change when resuming; None: never, e.g. with
+    stop_window to train to the loss plateau)"""
     stop_window: int = 0
     """also stop when the held-out loss has not fallen by more than stop_tolerance (relative) over
     this many steps (0: never; may change when resuming)"""
@@ -339,7 +339,7 @@ class InductionTrainer(TrainingLoop):
         task: InductionTask | None = None,
         eval_every: int = InductionTraining.eval_every,
         eval_size: int = InductionTraining.eval_size,
-        target_accuracy: float = InductionTraining.target_accuracy,
+        target_accuracy: float | None = InductionTraining.target_accuracy,
         checkpoint_every: int = InductionTraining.checkpoint_every,
         keep_checkpoints: int = InductionTraining.keep_checkpoints,
         positional: str = InductionTraining.positional,
@@ -358,7 +358,7 @@ class InductionTrainer(TrainingLoop):
                 f"steps={steps}, batch_size={batch_size}, eval_every={eval_every}, eval_size={eval_size}, "
                 f"checkpoint_every={checkpoint_every}"
             )
-        if not lr > 0 or not 0 < target_accuracy <= 1:
+        if not lr > 0 or not (target_accuracy is None or 0 < target_accuracy <= 1):
             raise ValueError(
                 f"need lr > 0 and 0 < target_accuracy <= 1, got lr={lr}, target_accuracy={target_accuracy}"
             )
@@ -435,7 +435,7 @@ class InductionTrainer(TrainingLoop):
         history["records"].append(record)
         n_events = len(history["events"])
         _update_plateau(record, state, self.plateau, history["events"], self.lr_at(self.step))
-        if record["eval_acc"] >= self.target_accuracy:
+        if self._reached(record):
             state.solved = True
             history["events"].append({"step": state.step, "kind": "solved", "eval_acc": record["eval_acc"]})
         elif self._loss_plateaued(history["records"]):
@@ -451,6 +451,9 @@ class InductionTrainer(TrainingLoop):
         for event in history["events"][n_events:]:
             log.info("event: %s", event)
         return {k: record[k] for k in ("loss", "acc", "eval_acc", "s_per_step")}
+
+    def _reached(self, record: dict[str, float]) -> bool:
+        return self.target_accuracy is not None and record["eval_acc"] >= self.target_accuracy
 
     def _loss_plateaued(self, records: list[dict[str, float]]) -> bool:
         """The held-out loss ``stop_window`` steps ago was at most (1 + stop_tolerance) x the best since."""
@@ -524,7 +527,7 @@ class InductionTrainer(TrainingLoop):
             config.update({key: getattr(self, key) for key in stop})
             records = self.history["records"]
             self.state.solved = bool(records) and (
-                records[-1]["eval_acc"] >= self.target_accuracy or self._loss_plateaued(records)
+                self._reached(records[-1]) or self._loss_plateaued(records)
             )
         log.info("resumed from %s at step %d", self.latest_checkpoint(), self.step)
 
