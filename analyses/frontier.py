@@ -13,10 +13,19 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import pandas as pd
 
-from mxd_lens.analysis.frontier import FrontierConfig, run_frontier, write_frontier_cache
+from mxd_lens.analysis.frontier import (
+    FrontierConfig,
+    load_results,
+    plot_frontier,
+    run_frontier,
+    summarize,
+    summary_markdown,
+    write_frontier_cache,
+)
 from mxd_lens.cli import parse_config
 from mxd_lens.models import DEFAULT_MODEL, load_model
 
@@ -43,10 +52,19 @@ class Script:
     out: str = "results/frontier"  # output folder
     cache_only: bool = False  # write (or check) the activation cache, then stop
     progress: bool = True  # progress bars; off: text log lines (for logs of background runs)
+    report: bool = False  # only read OUT/frontier.json: write OUT/summary.md and redraw OUT/frontier.png
 
 
 def main(argv: list[str] | None = None) -> int:
     script, config = parse_config(__doc__, argv, script=Script, config=FrontierConfig)
+    if script.report:
+        table = load_results(script.out)
+        text = summary_markdown(summarize(table))
+        (Path(script.out) / "summary.md").write_text(text + "\n", encoding="utf-8")
+        plot_frontier(table, Path(script.out) / "frontier.png")
+        print(text)
+        print(f"\nwrote {script.out}/summary.md and frontier.png")
+        return 0
     model = load_model(script.model)
     if script.cache_only:
         cache, _, n_blocks = write_frontier_cache(model, config, script.out, script.progress)

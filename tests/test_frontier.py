@@ -96,3 +96,41 @@ def test_frontier_grid_seeds_and_other_eval_text(tmp_path):
         run_frontier(
             model, dataclasses.replace(config, eval_text=str(corpus)), tmp_path / "out", progress=False
         )
+
+
+def test_summary_means_over_seeds_and_compares_with_the_transcoder(tmp_path):
+    import json
+
+    from mxd_lens.analysis.frontier import load_results, summarize, summary_markdown
+
+    rows = []
+    for method, base in (("mxd", 0.01), ("transcoder", 0.04), ("skip_transcoder", 0.02)):
+        for seed in (0, 1):
+            rows.append(dict(method=method, layer=15, k=32, seed=seed, delta_ce=base + 0.002 * seed, kl=base / 2,
+                             fvu=0.1, l0=32.0, dead_fraction=0.01 * seed, ce_recovered_zero=0.9))  # fmt: skip
+    rows.append(dict(method="mxd", layer=5, k=32, seed=0, delta_ce=0.005, kl=0.001, fvu=0.2, l0=30.0,
+                     dead_fraction=0.0, ce_recovered_zero=0.95))  # fmt: skip
+    (tmp_path / "frontier.json").write_text(json.dumps({"results": rows}))  # written before the rename
+    table = load_results(tmp_path)
+    assert "block" in table and "layer" not in table
+    summary = summarize(table).set_index(["block", "k", "method"])
+    mxd = summary.loc[(15, 32, "mxd")]
+    assert (
+        mxd.seeds == 2 and mxd.delta_ce == pytest.approx(0.011) and mxd.dead_fraction == pytest.approx(0.005)
+    )
+    assert (mxd.delta_ce_min, mxd.delta_ce_max) == pytest.approx((0.010, 0.012))
+    assert mxd.delta_ce_vs_transcoder == pytest.approx(0.011 / 0.041)
+    assert summary.loc[(15, 32, "transcoder")].delta_ce_vs_transcoder == pytest.approx(1.0)
+    assert (
+        summary.loc[(5, 32, "mxd")].delta_ce_vs_transcoder
+        != summary.loc[(5, 32, "mxd")].delta_ce_vs_transcoder
+    )
+    text = summary_markdown(summarize(table))
+    assert "+0.0110 [+0.0100, +0.0120]" in text and "0.27" in text
+    assert [line.split("|")[3].strip() for line in text.splitlines()[2:5]] == [
+        "mxd",
+        "mxd",
+        "skip_transcoder",
+    ]
+    with pytest.raises(FileNotFoundError, match="no frontier results"):
+        load_results(tmp_path / "missing")

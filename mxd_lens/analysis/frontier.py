@@ -165,6 +165,73 @@ def write_results(rows: list[dict[str, Any]], config: FrontierConfig, out: Path)
     plot_frontier(table, out / "frontier.png")
 
 
+def load_results(path: str | Path) -> Any:
+    """The rows of a frontier.json (``path``: the file or its folder) as a DataFrame; results written
+    before the block/layer rename (a ``layer`` column) are read with it named ``block``."""
+    import pandas as pd
+
+    path = Path(path)
+    if path.is_dir():
+        path = path / "frontier.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"no frontier results at {path}: run analyses/frontier.py first")
+    table = pd.DataFrame(json.loads(path.read_text())["results"])
+    if "block" not in table and "layer" in table:
+        table = table.rename(columns={"layer": "block"})
+    return table
+
+
+SUMMARY_METRICS = ("delta_ce", "kl", "fvu", "l0", "dead_fraction", "ce_recovered_zero")
+
+
+def summarize(table: Any) -> Any:
+    """One row per (block, K, method): the mean over seeds of each metric, ``seeds``, the ΔCE range
+    over seeds (``delta_ce_min``, ``delta_ce_max``), and ``delta_ce_vs_transcoder``: the method's mean
+    ΔCE over the TopK transcoder's at the same block and K (NaN where there is none)."""
+    keys = ["block", "k", "method"]
+    grouped = table.groupby(keys)
+    summary = grouped[list(SUMMARY_METRICS)].mean()
+    summary["seeds"] = grouped["seed"].nunique() if "seed" in table else 1
+    summary["delta_ce_min"] = grouped["delta_ce"].min()
+    summary["delta_ce_max"] = grouped["delta_ce"].max()
+    summary = summary.reset_index()
+    reference = summary[summary["method"] == "transcoder"].set_index(["block", "k"])["delta_ce"]
+    ratio = summary.set_index(["block", "k"]).index.map(lambda key: reference.get(key, float("nan")))
+    summary["delta_ce_vs_transcoder"] = summary["delta_ce"].to_numpy() / ratio.to_numpy(dtype=float)
+    return summary.sort_values(keys, key=lambda c: c.map(_METHOD_ORDER) if c.name == "method" else c)
+
+
+_METHOD_ORDER = {"mxd": 0, "skip_transcoder": 1, "transcoder": 2}
+
+
+def summary_markdown(summary: Any) -> str:
+    """``summarize``'s table as markdown, as a reader cites it: ΔCE with its seed range, KL, FVU, L0,
+    dead %, CE recovered and the ΔCE ratio to the transcoder."""
+    rows = []
+    for _, r in summary.iterrows():
+        spread = f" [{r.delta_ce_min:+.4f}, {r.delta_ce_max:+.4f}]" if r.seeds > 1 else ""
+        rows.append(
+            {
+                "block": int(r.block),
+                "K": int(r.k),
+                "method": r.method,
+                "seeds": int(r.seeds),
+                "ΔCE": f"{r.delta_ce:+.4f}{spread}",
+                "ΔCE / transcoder's": ""
+                if r.delta_ce_vs_transcoder != r.delta_ce_vs_transcoder
+                else f"{r.delta_ce_vs_transcoder:.2f}",
+                "KL": f"{r.kl:.4f}",
+                "FVU": f"{r.fvu:.3f}",
+                "L0": f"{r.l0:.1f}",
+                "dead": f"{100 * r.dead_fraction:.1f}%",
+                "CE recovered": f"{r.ce_recovered_zero:.3f}",
+            }
+        )
+    import pandas as pd
+
+    return pd.DataFrame(rows).to_markdown(index=False, disable_numparse=True)
+
+
 def plot_frontier(table: Any, path: Path | None = None) -> Any:
     """ΔCE and FVU against K: one column of panels per block, one line per method, the mean over seeds
     with error bars (min to max) where there are several. Returns the Figure (saved to ``path`` if given)."""
