@@ -62,14 +62,13 @@ pd.DataFrame(rows)[["name", "params", "delta_ce", "kl", "fvu", "l0", "dead_fract
     ("md", "## The frontier study (docs/results.md): ΔCE and FVU against K"),
     (
         "code",
-        """import json
+        """from mxd_lens.analysis.frontier import load_results, plot_frontier, summarize
 
-from mxd_lens.analysis.frontier import plot_frontier
-
-study = Path("../results/frontier-v2/frontier.json")
+study = Path("../docs/results/frontier-v2/frontier.json")  # the committed copy of the study's results
 if study.is_file():
-    table = pd.DataFrame(json.loads(study.read_text())["rows"]).rename(columns={"layer": "block"})
+    table = load_results(study)
     display(plot_frontier(table))
+    display(summarize(table)[["block", "k", "method", "seeds", "delta_ce", "fvu", "l0", "dead_fraction"]])
 else:
     print(f"{study} not found: run the study (command in docs/results.md), then this notebook again")""",
     ),
