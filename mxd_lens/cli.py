@@ -208,16 +208,29 @@ def _threads(n: int) -> None:
         torch.set_num_threads(n)
 
 
+def _run_study(args: argparse.Namespace, verb: str, folder: str, run: Any) -> Any:
+    """The shape probe/steer/inspect share: threads, OUT/folder, the model, ``run(model, study, out)``
+    (a ValueError becomes a one-line exit naming the command)."""
+    from mxd_lens.models import load_model
+
+    _threads(args.where.threads)
+    out = Path(args.where.out) / folder
+    try:
+        return out, run(load_model(args.where.model, tl_name=args.where.tl_name), args.study, out)
+    except ValueError as err:
+        raise SystemExit(f"mxd-lens {verb}: {err}") from None
+
+
 def _probe(args: argparse.Namespace) -> int:
     """Sparse probing of saved layers on the offline suite (or SAEBench's): OUT/probing/{probing.csv,
     summary.csv, paired.csv, probing.json, probing.png}."""
     from mxd_lens.analysis.probing import run_probing_study
-    from mxd_lens.models import load_model
 
-    _threads(args.where.threads)
-    out = Path(args.where.out) / "probing"
-    results = run_probing_study(
-        load_model(args.where.model, tl_name=args.where.tl_name), args.study, out, command=_command()
+    out, results = _run_study(
+        args,
+        "probe",
+        "probing",
+        lambda model, study, out: run_probing_study(model, study, out, command=_command()),
     )
     print(results["summary"].round(3).to_markdown())
     if len(results["paired"]):
@@ -231,16 +244,13 @@ def _steer(args: argparse.Namespace) -> int:
     """Steer with each task's top probing feature, per layer at one K, scored offline:
     OUT/steering/{steering.csv, steering.json, steering.png, contexts/}."""
     from mxd_lens.analysis.steering import run_steering_study
-    from mxd_lens.models import load_model
 
-    _threads(args.where.threads)
-    out = Path(args.where.out) / "steering"
-    try:
-        table = run_steering_study(
-            load_model(args.where.model, tl_name=args.where.tl_name), args.study, out, command=_command()
-        )
-    except ValueError as err:
-        raise SystemExit(f"mxd-lens steer: {err}") from None
+    out, table = _run_study(
+        args,
+        "steer",
+        "steering",
+        lambda model, study, out: run_steering_study(model, study, out, command=_command()),
+    )
     print(table.drop(columns=["example"]).round(3).to_markdown(index=False))
     print(f"\nwrote {out}/")
     return 0
@@ -249,14 +259,8 @@ def _steer(args: argparse.Namespace) -> int:
 def _inspect(args: argparse.Namespace) -> int:
     """Top-activating contexts of chosen experts / latents: OUT/inspect/NAME.csv and NAME.html."""
     from mxd_lens.analysis.inspect import run_inspect_study
-    from mxd_lens.models import load_model
 
-    _threads(args.where.threads)
-    out = Path(args.where.out) / "inspect"
-    try:
-        table = run_inspect_study(load_model(args.where.model, tl_name=args.where.tl_name), args.study, out)
-    except ValueError as err:
-        raise SystemExit(f"mxd-lens inspect: {err}") from None
+    out, table = _run_study(args, "inspect", "inspect", run_inspect_study)
     print(table.groupby("feature").head(3).to_markdown(index=False))
     print(f"\nwrote {out}/")
     return 0

@@ -242,3 +242,53 @@ def test_tl_name_reaches_load_model_and_eval_reuses_the_recorded_one(tmp_path, m
     final = str(tmp_path / "run" / "final")
     assert main(["eval", final, "--eval-tokens", "120", "--context-size", "12", "--write", "false"]) == 0
     assert asked[-1] == ("tiny", {"tl_name": "google/gemma-3-270m"})
+
+
+def test_probe_steer_and_inspect_run_end_to_end_on_a_data_folder(tmp_path, text_model, capsys):
+    """The three study verbs on one trained layer: each writes its files under OUT/<verb folder>/."""
+    import json
+    import lzma
+    import random
+
+    import pandas as pd
+    from conftest import WORDS
+
+    rng, rows = random.Random(0), []
+    for marker, label in zip(
+        ("cat", "dogs", "birds", "rain", "hills"), ("en", "fr", "de", "es", "nl"), strict=True
+    ):
+        for _ in range(24):
+            words = [rng.choice(WORDS[8:]) for _ in range(rng.randint(3, 8))]
+            words.insert(rng.randrange(len(words)), marker)
+            rows.append({"text": " ".join(words), "label": label})
+    data = tmp_path / "data"
+    data.mkdir()
+    with lzma.open(data / "language_id.jsonl.xz", "wt") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    stream = ["--model", "tiny", "--text", str(text_model), "--context-size", "12", "--rows-per-block", "16"]
+    learn = ["--arch", "mxd", "--k", "2", "--tokens", "320", "--batch-tokens", "32", "--no-progress"]
+    assert main(["train", *stream, "--blocks", "1", *learn, "--out", str(tmp_path / "run")]) == 0
+    final, out = tmp_path / "run" / "final", tmp_path / "out"
+    where = ["--model", "tiny", "--out", str(out), "--threads", "1"]
+
+    suite = ["--data", str(data), "--per-class", "20", "--context-size", "12"]
+    assert main(["probe", "--layers", str(final), *suite, "--ks", "1", "2", *where]) == 0
+    table = pd.read_csv(out / "probing" / "probing.csv")
+    assert set(table.task.str.split("/").str[0]) == {"language_id"} and table.task.nunique() == 5
+    assert {"1", "2"} <= set(table.k.astype(str))
+
+    steer = ["--k", "2", "--tasks", "language_id/fr", "--multiples", "0", "4", "--samples", "2", "--new-tokens", "3",
+             "--context-tokens", "0", "--probing", str(out / "probing" / "pooled")]  # fmt: skip
+    assert main(["steer", "--layers", str(final), *suite, *steer, *where]) == 0
+    steering = pd.read_csv(out / "steering" / "steering.csv")
+    assert sorted(steering.multiple) == [0.0, 4.0] and (steering.task == "language_id/fr").all()
+
+    layer = final / "L1.mxd.k2.m8"
+    text = ["--text", str(text_model), "--tokens", "240", "--context-size", "12", "--n", "3"]
+    assert main(["inspect", "--layer", str(layer), "--features", "0", "1", *text, *where]) == 0
+    (page,) = (out / "inspect").glob("*.html")
+    contexts = pd.read_csv(page.with_suffix(".csv"))
+    assert set(contexts.feature) <= {0, 1} and len(contexts) <= 6
+
+    with pytest.raises(SystemExit, match="mxd-lens steer: .*no/such"):
+        main(["steer", "--layers", str(final), *suite, *steer[:2], "--tasks", "no/such", *where])
