@@ -101,14 +101,12 @@ def corpus_rows(rows: TokenRows, data: str | Path, side: str, per_file: int) -> 
 
 
 # -- cached residuals --------------------------------------------------------------------------------------
-CACHE_SECONDS: dict[str, float] = {}  # wall seconds each residual cache took when it was computed
-
-
 def residuals(start: ResidualModel, tokens: torch.Tensor, path: Path, batch: int = 8) -> torch.Tensor:
+    """The residual stream at ``start``'s block for ``tokens``, cached at ``path`` (reused only for the
+    same tokens); the cache also keeps the wall seconds it took (``cache_seconds``)."""
     if path.is_file():
         cached = torch.load(path, weights_only=True)
         if torch.equal(cached["tokens"], tokens):
-            CACHE_SECONDS[path.name] = float(cached.get("seconds", float("nan")))
             return cached["resid"]
     t0 = time.time()
     resid = torch.cat([start.residual(tokens[i : i + batch]) for i in range(0, len(tokens), batch)])
@@ -116,8 +114,12 @@ def residuals(start: ResidualModel, tokens: torch.Tensor, path: Path, batch: int
     log.info("cached residuals of %s tokens in %.0fs -> %s", tuple(tokens.shape), seconds, path)
     path.parent.mkdir(parents=True, exist_ok=True)
     torch.save({"tokens": tokens, "resid": resid, "seconds": torch.tensor(seconds)}, path)
-    CACHE_SECONDS[path.name] = seconds
     return resid
+
+
+def cache_seconds(path: Path) -> float:
+    """The wall seconds the residual cache at ``path`` took to compute (NaN if it did not record them)."""
+    return float(torch.load(path, weights_only=True).get("seconds", float("nan")))
 
 
 def pairs(resid: torch.Tensor, tokens: torch.Tensor, batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -277,7 +279,7 @@ def run_real_model_study(
         "median_v": float(alignment[0].median()),
         "median_u": float(alignment[1].median()),
     }
-    report["cache_train_s"] = CACHE_SECONDS["train.pt"]
+    report["cache_train_s"] = cache_seconds(cache / "train.pt")
     report["command"] = command
     atomic_write_text(out / "decomposition.json", json.dumps(report, indent=1))
     log.info("held-out corpus: %s", json.dumps(report["heldout_corpus"]))
