@@ -413,3 +413,109 @@ def write_report(result: Attribution, out: Any, edge_tables: dict | None = None,
         "graph": out / "graph.png",
         "html": out / "report.html",
     }
+
+
+# -- the comparison study: how much of a prediction a few units carry ---------------------------------
+def replacement_summary(result: Attribution, top: int = 10) -> dict[str, float]:
+    """How much of the spliced layers' share of the target a few units carry (a replacement-score-style
+    number). ``spliced`` is the spliced blocks' whole attribution (units + rest + error); then
+    ``top_fraction`` = Σ attribution of the ``top`` units by |attribution| / spliced,
+    ``units_fraction`` = Σ every unit's / spliced, ``error_fraction`` = Σ error / spliced (signed: parts
+    may cancel, so a fraction can exceed 1), ``top_abs_share`` = Σ |top units| / (Σ |units| + Σ |error|
+    + Σ |rest|) (unsigned), and ``active_units`` = the units that fired at any position."""
+    parts = result.parts
+    at_spliced = parts[parts["kind"].isin(("error", "rest (bias, skip)"))]
+    error = float(at_spliced.loc[at_spliced["kind"] == "error", "attribution"].sum())
+    rest = float(at_spliced.loc[at_spliced["kind"] != "error", "attribution"].sum())
+    units = result.units["attribution"]
+    spliced = float(units.sum()) + error + rest
+    top_units = result.top(top)["attribution"]
+    scale = spliced if abs(spliced) > 1e-12 else float("nan")
+    denominator = float(units.abs().sum() + at_spliced["attribution"].abs().sum())
+    return {
+        "target": result.target,
+        "spliced": spliced,
+        "top_fraction": float(top_units.sum()) / scale,
+        "units_fraction": float(units.sum()) / scale,
+        "error_fraction": error / scale,
+        "top_abs_share": float(top_units.abs().sum()) / denominator if denominator else float("nan"),
+        "active_units": len(result.units),
+        "completeness": result.completeness,
+    }
+
+
+def parse_prompt(model: Any, spec: str) -> tuple[str, Callable[[torch.Tensor], torch.Tensor], str]:
+    """'prompt|target|minus' (minus optional) -> (prompt, logit_target, label); target and minus must
+    each be one token (a ValueError names the one that is not)."""
+    pieces = spec.split("|")
+    if len(pieces) not in (2, 3) or not pieces[0]:
+        raise ValueError(f"prompt {spec!r}: write 'prompt|target' or 'prompt|target|minus'")
+
+    def token_id(text: str) -> int:
+        ids = model.to_tokens(text, prepend_bos=False)[0]
+        if len(ids) != 1:
+            raise ValueError(
+                f"prompt {spec!r}: {text!r} is {len(ids)} tokens of this model's vocabulary; give one"
+            )
+        return int(ids[0])
+
+    target = token_id(pieces[1])
+    minus = token_id(pieces[2]) if len(pieces) == 3 else None
+    label = f"{pieces[1]!r}" + (f" − {pieces[2]!r}" if minus is not None else "")
+    return pieces[0], logit_target(target, minus), label
+
+
+def run_attribution_study(model: Any, study: Any, out: Any = None, progress: bool = True) -> Any:
+    """For each prompt of ``study`` (``mxd_lens.config.AttributionStudy``) and each method, the
+    method's layers at K spliced at the study's blocks together: ``replacement_summary`` of the
+    attribution. Returns one row per (prompt, method); with ``out``, writes attribution_study.csv and
+    .json and, per method, the first prompt's report (OUT/METHOD/report.html and graph.png)."""
+    import json
+    from dataclasses import asdict
+    from pathlib import Path
+
+    import pandas as pd
+    from tqdm.auto import tqdm
+
+    import mxd_lens
+    from mxd_lens.fileio import atomic_write_text
+    from mxd_lens.layers.io import load_layers
+    from mxd_lens.layers.registry import architecture_key
+
+    by_method: dict[str, dict[int, Any]] = {}
+    for layer in load_layers(study.layers).values():
+        if layer.cfg.k == study.k:
+            by_method.setdefault(architecture_key(layer), {})[hooks.block_of(layer)] = layer
+    if not by_method:
+        raise ValueError(f"no layer with K={study.k} under {study.layers}")
+    common = sorted(set.intersection(*(set(blocks) for blocks in by_method.values())))
+    blocks = sorted(study.blocks) if study.blocks else common
+    missing = {
+        m: sorted(set(blocks) - set(found)) for m, found in by_method.items() if set(blocks) - set(found)
+    }
+    if not blocks or missing:
+        raise ValueError(
+            f"the blocks {blocks} need a layer of every method at K={study.k}; missing: {missing or 'no common block'}"
+        )
+    prompts = [parse_prompt(model, spec) for spec in study.prompts]
+    rows = []
+    bar = tqdm(total=len(prompts) * len(by_method), desc="attribution", disable=not progress)
+    for method, layers in sorted(by_method.items()):
+        spliced = [layers[b] for b in blocks]
+        for i, (prompt, target, label) in enumerate(prompts):
+            with mxd_lens.splice(model, *spliced, error_term=study.error_term):
+                result = attribute(model, prompt, target)
+            rows.append({"prompt": prompt, "logit": label, "method": method, "blocks": ",".join(map(str, blocks)),
+                         **replacement_summary(result, study.top)})  # fmt: skip
+            if out is not None and i == 0:
+                write_report(result, Path(out) / method, top=study.top)
+            bar.update(1)
+    bar.close()
+    table = pd.DataFrame(rows)
+    if out is not None:
+        out = Path(out)
+        out.mkdir(parents=True, exist_ok=True)
+        table.to_csv(out / "attribution_study.csv", index=False)
+        record = {"study": asdict(study), "rows": json.loads(table.to_json(orient="records"))}
+        atomic_write_text(out / "attribution_study.json", json.dumps(record, indent=1))
+    return table

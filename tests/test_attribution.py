@@ -181,3 +181,55 @@ def test_report_writes_the_table_graph_and_one_page(tmp_path):
     assert units.attribution.sum() + pd.read_csv(paths["parts"]).attribution.sum() == pytest.approx(
         result.target, rel=1e-4
     )
+
+
+def test_the_study_compares_methods_at_the_same_blocks_and_its_numbers_are_the_attributions(tmp_path):
+    from conftest import make_text_model
+
+    from mxd_lens.attribution import replacement_summary, run_attribution_study
+    from mxd_lens.config import AttributionStudy
+
+    model, _ = make_text_model(tmp_path)
+    saved = {}
+    for cls, seed in ((MxD, 1), (TopKTranscoder, 2)):
+        for block in (0, 1):
+            layer = randomise(cls.for_model(model, block, d_sae=12, k=3), seed + block, scale=0.3)
+            folder = tmp_path / "final" / f"{cls.__name__}.{block}"
+            layer.save_model(folder)
+            saved[(cls, block)] = layer
+    prompts = ["the cat sat on a| mat| dogs", "birds sang songs of| rain"]
+    study = AttributionStudy(layers=[str(tmp_path / "final")], k=3, prompts=prompts, top=2)
+    table = run_attribution_study(model, study, tmp_path / "out", progress=False)
+    assert sorted(table.method) == ["mxd", "mxd", "transcoder", "transcoder"]
+    assert set(table.blocks) == {"0,1"} and (table.completeness <= 1e-4).all()
+    # the MxD row of the first prompt, by hand from attribute()
+    with mxd_lens.splice(model, saved[(MxD, 0)], saved[(MxD, 1)], error_term=True):
+        result = attribute(
+            model,
+            "the cat sat on a",
+            logit_target(model.to_single_token(" mat"), model.to_single_token(" dogs")),
+        )
+    row = table[(table.method == "mxd")].iloc[0]
+    assert row.logit == "' mat' − ' dogs'" and row.target == pytest.approx(result.target)
+    units = result.units.attribution
+    error = result.parts[result.parts.kind == "error"].attribution.sum()
+    rest = result.parts[result.parts.kind == "rest (bias, skip)"].attribution.sum()
+    top2 = units.reindex(units.abs().sort_values(ascending=False).index)[:2]
+    assert row.spliced == pytest.approx(units.sum() + error + rest, rel=1e-5)
+    assert row.top_fraction == pytest.approx(top2.sum() / row.spliced, rel=1e-5)
+    assert row.error_fraction == pytest.approx(error / row.spliced, rel=1e-5)
+    assert replacement_summary(result, 2)["top_fraction"] == pytest.approx(row.top_fraction, rel=1e-5)
+    assert (tmp_path / "out" / "attribution_study.csv").is_file() and (
+        tmp_path / "out" / "mxd" / "report.html"
+    ).is_file()
+    # bad input is named
+    with pytest.raises(ValueError, match="'hills green' is 2 tokens"):
+        run_attribution_study(
+            model, AttributionStudy(layers=study.layers, k=3, prompts=["the cat|hills green"]), progress=False
+        )
+    with pytest.raises(ValueError, match=r"missing: \{'mxd': \[2\], 'transcoder': \[2\]\}"):
+        run_attribution_study(
+            model, AttributionStudy(layers=study.layers, k=3, blocks=[0, 2], prompts=prompts), progress=False
+        )
+    with pytest.raises(ValueError, match="no layer with K=7"):
+        run_attribution_study(model, AttributionStudy(layers=study.layers, k=7), progress=False)
