@@ -377,3 +377,44 @@ def test_the_reference_recipe_is_goodfire_spds_ih_config_and_overrides_get_their
     assert InductionSPDStudy("ref-token-subset", ci_hidden=16).config().ci_hidden == 16
     with pytest.raises(ValueError, match="variant='nope'"):
         make_config("nope", 10, 16)
+
+
+def test_training_in_trend_chunks_is_the_same_run_and_records_each_chunk(tmp_path):
+    import json
+
+    from mxd_lens.spd import induction_study as study_lib
+    from mxd_lens.spd.induction import train_induction_model
+
+    train_induction_model(
+        tmp_path / "model", steps=5, batch_size=32, eval_every=5, eval_size=64, progress=False
+    )
+    model = str(tmp_path / "model" / "model.pt")
+    small = dict(variant="ref-token-stoch", steps=5, batch_size=4, C=4, ci_hidden=4, model=model)
+    study_lib.train_variant(study_lib.InductionSPDStudy(**small), tmp_path / "whole", progress=False)
+    chunked = study_lib.InductionSPDStudy(**small, trend_every=2)
+    study_lib.train_variant(chunked, tmp_path / "chunks", progress=False)
+    name = chunked.name
+    points = [
+        json.loads(line) for line in (tmp_path / "chunks" / name / "trend.jsonl").read_text().splitlines()
+    ]
+    assert [p["step"] for p in points] == [0, 2, 4, 5] and set(points[0]["l0"]) == {
+        "Q0",
+        "K0",
+        "V0",
+        "O0",
+        "Q1",
+        "K1",
+        "V1",
+        "O1",
+    }
+    assert (
+        all(len(v) == 4 for v in points[-1]["l0"].values())
+        and (tmp_path / "chunks" / name / "trend.png").is_file()
+    )
+    states = [torch.load(root / name / "checkpoints" / "step_000000005" / "state.pt", weights_only=True)
+              for root in (tmp_path / "whole", tmp_path / "chunks")]  # fmt: skip
+    for key, value in states[0]["decomposition"].items():
+        assert torch.equal(value, states[1]["decomposition"][key]), key
+    # the chunked history also logs each chunk's last step; everything the whole run logged is in it
+    assert [r["step"] for r in states[1]["history"]] == [2, 4, 5]
+    assert all(r in states[1]["history"] for r in states[0]["history"])

@@ -173,6 +173,9 @@ class InductionSPDStudy:
     """components per module (default: the recipe's, 32 or 100)"""
     ci_hidden: int | None = None
     """CI hidden width (default: the recipe's, 16 or 128)"""
+    trend_every: int = 0
+    """train in chunks of this many steps and after each record CI-L0 per module and position on a
+    128-sequence batch in OUT/NAME/trend.jsonl (+ trend.png); 0: no trend"""
 
     @property
     def name(self) -> str:
@@ -206,7 +209,10 @@ def train_variant(study: InductionSPDStudy, root: str | Path, progress: bool = T
     trainer.load_checkpoint()
     start_step, started, cpu_started = trainer.step, time.perf_counter(), time.process_time()
     log.info("%s: model %s, from step %d to %d", out.name, model_path, start_step, config.steps)
-    trainer.fit()
+    if study.trend_every:
+        _train_with_trend(trainer, study, out)
+    else:
+        trainer.fit()
     record = {
         "from_step": start_step,
         "to_step": trainer.step,
@@ -217,6 +223,30 @@ def train_variant(study: InductionSPDStudy, root: str | Path, progress: bool = T
     with (out / "train_log.jsonl").open("a") as f:
         f.write(json.dumps(record) + "\n")
     return record
+
+
+TREND_SEED, TREND_SIZE = 5_555_555, 128
+
+
+def _train_with_trend(trainer: SPDTrainer, study: InductionSPDStudy, out: Path) -> None:
+    """Train to each multiple of ``trend_every`` (the schedules still span ``config.steps``; every chunk
+    ends on a checkpoint, so this is the same run as one ``fit``), appending a ``trend_point`` after each."""
+    from mxd_lens.spd.report import plot_trend, trend_point
+
+    path = out / "trend.jsonl"
+    points = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+    points = [p for p in points if p["step"] <= trainer.step]  # a killed chunk's later points go
+    batch = InductionTask().sample_batch(TREND_SIZE, torch.Generator().manual_seed(TREND_SEED))
+    total = trainer.config.steps
+    while True:
+        if not points or points[-1]["step"] < trainer.step:
+            points.append({"step": trainer.step, **trend_point(trainer.decomposition, batch)})
+            atomic_write_text(path, "".join(json.dumps(p) + "\n" for p in points))
+            plot_trend(points, out / "trend.png", title=f"{study.name}: {TITLES[study.variant]}")
+        if trainer.step >= total:
+            return
+        trainer.total_steps = min(total, (trainer.step // study.trend_every + 1) * study.trend_every)
+        trainer.fit(resume=True)
 
 
 def time_variant(study: InductionSPDStudy, root: str | Path, steps: int) -> float:

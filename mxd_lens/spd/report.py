@@ -379,6 +379,52 @@ def study_report(
     }
 
 
+@torch.no_grad()
+def trend_point(
+    decomposition: Decomposition, batch: InductionBatch, threshold: float = 0.1, chunk: int = 16
+) -> dict[str, Any]:
+    """A small summary for a curve over training: CI-L0 per module and position class
+    ({short name: [s1, m, s2, other]}), and the accuracy and KL at the final position with every
+    module CI-masked."""
+    classes = position_classes(batch.s1, batch.tokens.shape[1])
+    g = causal_importances(decomposition, batch.tokens, chunk)
+    l0 = {short_name(n): ci_position_summary(g[n], classes, threshold)["l0"] for n in decomposition.names}
+    masked = masked_run_metrics(decomposition, batch.tokens, batch.labels, g, chunk=chunk)
+    return {"l0": l0, "accuracy_ci_masked": masked["accuracy"], "kl_ci_masked_last": masked["kl"]}
+
+
+def plot_trend(points: Sequence[dict[str, Any]], path: str | Path | None = None, title: str = "") -> Any:
+    """CI-L0 at each expected module's expected position against the training step (one line per
+    module, the expected count dashed), from ``trend_point`` records with a ``step``; a second panel
+    the CI-masked accuracy. Returns the Figure (saved to ``path`` when given)."""
+    from matplotlib.figure import Figure
+
+    steps = [p["step"] for p in points]
+    fig = Figure(figsize=(11, 4), layout="constrained")
+    ax, ax_acc = fig.subplots(1, 2, width_ratios=(2, 1))
+    for name, (where, count) in EXPECTED_CIRCUIT.items():
+        short = short_name(name)
+        if points and short in points[0]["l0"]:
+            k = POSITION_CLASSES.index(where)
+            line = ax.plot(
+                steps, [p["l0"][short][k] for p in points], marker=".", label=f"{short} at {where}"
+            )
+            ax.axhline(count, color=line[0].get_color(), ls=":", lw=0.8)
+    ax.set(
+        xlabel="SPD step",
+        ylabel="CI-L0 at the expected position",
+        yscale="log",
+        title="components per position (dotted: the paper's count)",
+    )
+    ax.legend(fontsize=8, ncol=2)
+    ax_acc.plot(steps, [p["accuracy_ci_masked"] for p in points], marker=".")
+    ax_acc.set(xlabel="SPD step", ylabel="accuracy, all modules CI-masked", ylim=(0, 1.02))
+    fig.suptitle(title)
+    if path is not None:
+        fig.savefig(path, dpi=110)
+    return fig
+
+
 def plot_ci_by_position(
     report: dict[str, Any],
     path: str | Path | None = None,
