@@ -3,13 +3,16 @@
 
     python analyses/spd_induction.py time  --variant sequence-subset --steps 40
     python analyses/spd_induction.py train --variant token-subset --steps 8000   # resumes from checkpoints
+    python analyses/spd_induction.py train --variant ref-token-subset --steps 100000 --trend-every 2000 \
+        --out results/spd-ref                                                    # the reference recipe
     python analyses/spd_induction.py report --variant token-subset
     python analyses/spd_induction.py summary                                       # all variants found
     python analyses/spd_induction.py train --variant sequence-subset --minimality 0.1   # supplementary:
         # writes OUT/sequence-subset-min0.1/ (any --minimality other than 1e-2 gets such a suffix)
 
 Writes OUT/VARIANT/{checkpoints/, metrics.json, run_config.json, train_log.jsonl, report.json,
-ci_by_position.png} and OUT/summary.json, OUT/comparison.md, OUT/modules.md.
+ci_by_position.png} (with --trend-every also trend.jsonl, trend.png) and OUT/summary.json,
+OUT/comparison.md, OUT/modules.md.
 """
 
 from __future__ import annotations
