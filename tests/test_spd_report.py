@@ -138,6 +138,14 @@ def test_study_report_figure_and_table(setup, tmp_path) -> None:
         assert summary["n_alive"] == len(summary["alive"]) <= 4
         assert len(summary["l0"]) == len(POSITION_CLASSES) and all(0 <= v <= 4 for v in summary["l0"])
     assert 0 <= report["accuracy_ci_masked"] <= 1 and report["losses"]["kl_stochastic"] >= 0
+    # the CI-masked KL is deterministic: over all positions it is evaluate()'s with positions="all"
+    from mxd_lens.spd.train import evaluate
+
+    every = evaluate(decomposition, batch.tokens, positions="all")
+    assert report["losses"]["kl_ci_masked_all_positions"] == pytest.approx(every["kl_ci_masked"], rel=1e-4)
+    assert report["losses"]["kl_ci_masked"] == pytest.approx(
+        evaluate(decomposition, batch.tokens, positions="last")["kl_ci_masked"], rel=1e-4
+    )
     assert set(report["expected"]) == set(EXPECTED_CIRCUIT)
     # Untrained CI: almost every component is on, so no module matches the one-component circuit.
     assert not any(e["match"] for e in report["expected"].values())
