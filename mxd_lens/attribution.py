@@ -483,9 +483,18 @@ def run_attribution_study(model: Any, study: Any, out: Any = None, progress: boo
     from mxd_lens.layers.registry import architecture_key
 
     by_method: dict[str, dict[int, Any]] = {}
-    for layer in load_layers(study.layers).values():
-        if layer.cfg.k == study.k:
-            by_method.setdefault(architecture_key(layer), {})[hooks.block_of(layer)] = layer
+    names: dict[tuple[str, int], str] = {}
+    for name, layer in load_layers(study.layers).items():
+        if layer.cfg.k != study.k:
+            continue
+        method, block = architecture_key(layer), hooks.block_of(layer)
+        if (method, block) in names:
+            raise ValueError(
+                f"two {method} layers with K={study.k} at block {block} ({names[method, block]} and {name}, "
+                "e.g. two seeds): pass the folders of one run per block"
+            )
+        names[method, block] = name
+        by_method.setdefault(method, {})[block] = layer
     if not by_method:
         raise ValueError(f"no layer with K={study.k} under {study.layers}")
     common = sorted(set.intersection(*(set(blocks) for blocks in by_method.values())))

@@ -231,5 +231,10 @@ def test_the_study_compares_methods_at_the_same_blocks_and_its_numbers_are_the_a
         run_attribution_study(
             model, AttributionStudy(layers=study.layers, k=3, blocks=[0, 2], prompts=prompts), progress=False
         )
+    saved[(MxD, 0)].save_model(tmp_path / "seed1" / "MxD.0.seed1")  # a second MxD at block 0
+    with pytest.raises(ValueError, match="two mxd layers with K=3 at block 0"):
+        run_attribution_study(
+            model, AttributionStudy(layers=[*study.layers, str(tmp_path / "seed1")], k=3), progress=False
+        )
     with pytest.raises(ValueError, match="no layer with K=7"):
         run_attribution_study(model, AttributionStudy(layers=study.layers, k=7), progress=False)
