@@ -54,8 +54,8 @@ class Components(nn.Module):
         """y for input x [b, p, d_in], given the host's own output ``original`` = x Wᵀ + b (any trailing
         shape, e.g. [b, p, heads, d_head]); positions where ``routing`` is False keep ``original``."""
         o = original.reshape(*original.shape[:2], -1)
-        m = 1.0 if mask is None else mask.to(o.dtype)
-        m_delta = 1.0 if delta_mask is None else delta_mask.to(o.dtype)[..., None]
+        m = 1.0 if mask is None else mask.to(o)  # masks may come from the CPU (reports)
+        m_delta = 1.0 if delta_mask is None else delta_mask.to(o)[..., None]
         b = 0.0 if self.bias is None else self.bias
         h = x.to(self.V.dtype) @ self.V
         if not delta:
@@ -65,7 +65,7 @@ class Components(nn.Module):
         else:
             y = (h * (m - m_delta)) @ self.U + m_delta * (o - b) + b
         if routing is not None:
-            y = torch.where(routing[..., None], y, o)
+            y = torch.where(routing.to(o.device)[..., None], y, o)
         return y.reshape(original.shape).to(original.dtype)
 
 

@@ -142,9 +142,12 @@ def batches_for(task: InductionTask, batch_size: int):
     return batches
 
 
-def build_trainer(out: Path, model_path: Path, config: SPDConfig, progress: bool = False):
-    """The induction model at ``model_path`` and an SPD trainer of its attention projections."""
-    model = load_induction_model(model_path)
+def build_trainer(
+    out: Path, model_path: Path, config: SPDConfig, progress: bool = False, device: str = "cpu"
+):
+    """The induction model at ``model_path`` (on ``device``) and an SPD trainer of its attention
+    projections (whose components and CI functions live where the model does)."""
+    model = load_induction_model(model_path).to(device)
     modules = [name for name in decomposable_weights(model) if ".attn." in name]
     trainer = SPDTrainer(
         model, modules, batches_for(InductionTask(), config.batch_size), config, out, progress
@@ -173,6 +176,8 @@ class InductionSPDStudy:
     """components per module (default: the recipe's, 32 or 100)"""
     ci_hidden: int | None = None
     """CI hidden width (default: the recipe's, 16 or 128)"""
+    device: str = "cpu"
+    """where to train (e.g. cuda); a run may move between devices (it is not part of the run's identity)"""
     trend_every: int = 0
     """train in chunks of this many steps and after each record CI-L0 per module and position on a
     128-sequence batch in OUT/NAME/trend.jsonl (+ trend.png); 0: no trend"""
@@ -205,7 +210,7 @@ def train_variant(study: InductionSPDStudy, root: str | Path, progress: bool = T
         run_config,
         json.dumps({"variant": study.variant, "model": str(model_path), "config": asdict(config)}, indent=1),
     )
-    _, trainer = build_trainer(out, model_path, config, progress)
+    _, trainer = build_trainer(out, model_path, config, progress, study.device)
     trainer.load_checkpoint()
     start_step, started, cpu_started = trainer.step, time.perf_counter(), time.process_time()
     log.info("%s: model %s, from step %d to %d", out.name, model_path, start_step, config.steps)
@@ -257,8 +262,9 @@ def time_variant(study: InductionSPDStudy, root: str | Path, steps: int) -> floa
     config.checkpoint_every = 0
     with tempfile.TemporaryDirectory() as tmp:
         _, trainer = build_trainer(
-            Path(tmp), Path(study.model) if study.model else choose_model(Path(root)), config
-        )
+            Path(tmp), Path(study.model) if study.model else choose_model(Path(root)), config,
+            device=study.device,
+        )  # fmt: skip
         batches = trainer.batches
         for step in range(5):
             trainer.train_step(batches(step))

@@ -58,12 +58,18 @@ def position_classes(s1: torch.Tensor, seq_len: int) -> torch.Tensor:
         raise ValueError(f"s1 must be one position per sequence [b], got shape {tuple(s1.shape)}")
     if ((s1 < 0) | (s1 + 1 >= seq_len - 1)).any():
         raise ValueError(f"need 0 <= s1 and s1 + 1 < seq_len - 1 = {seq_len - 1} (m before the final S)")
-    classes = torch.full((s1.numel(), seq_len), 3, dtype=torch.long)
-    rows = torch.arange(s1.numel())
+    classes = torch.full((s1.numel(), seq_len), 3, dtype=torch.long, device=s1.device)
+    rows = torch.arange(s1.numel(), device=s1.device)
     classes[rows, s1] = 0
     classes[rows, s1 + 1] = 1
     classes[:, -1] = 2
     return classes
+
+
+def _on_device(batch: InductionBatch, model: Any) -> InductionBatch:
+    """``batch`` on the model's device (training may run on a GPU; the reports follow it)."""
+    device = next(model.parameters()).device
+    return type(batch)(*(t.to(device) for t in batch))
 
 
 def _chunks(n: int, chunk: int) -> list[slice]:
@@ -240,6 +246,7 @@ def rank_replacement(
     the model's (calibration), not SPD's (consolidation). {name: [{rank, accuracy, kl}, ...]}."""
     from mxd_lens.spd.sites import read_weight, resolve
 
+    batch = _on_device(batch, model)
     tokens, labels = batch.tokens, batch.labels
     classes = position_classes(batch.s1, tokens.shape[1])
     names = [n for n in (modules or EXPECTED_CIRCUIT) if n in EXPECTED_CIRCUIT]
@@ -306,6 +313,7 @@ def components_carrying(
     at most 1 - ``fraction`` of the squared norm of the components' sum h U unexplained."""
     if not 0 < fraction <= 1:
         raise ValueError(f"fraction={fraction} must be in (0, 1]")
+    batch = _on_device(batch, decomposition.model)
     tokens = batch.tokens
     classes = position_classes(batch.s1, tokens.shape[1])
     names = [n for n in decomposition.names if n in EXPECTED_CIRCUIT]
@@ -348,6 +356,7 @@ def study_report(
     - ``diagnostics``: ``rank_replacement`` (what the model allows at each expected position) and
       ``components_carrying_90`` (what SPD found there), to tell calibration from consolidation.
     """
+    batch = _on_device(batch, decomposition.model)
     tokens, labels = batch.tokens, batch.labels
     classes = position_classes(batch.s1, tokens.shape[1])
     g = causal_importances(decomposition, tokens, chunk)
@@ -395,6 +404,7 @@ def trend_point(
     """A small summary for a curve over training: CI-L0 per module and position class
     ({short name: [s1, m, s2, other]}), and the accuracy and KL at the final position with every
     module CI-masked."""
+    batch = _on_device(batch, decomposition.model)
     classes = position_classes(batch.s1, batch.tokens.shape[1])
     g = causal_importances(decomposition, batch.tokens, chunk)
     l0 = {short_name(n): ci_position_summary(g[n], classes, threshold)["l0"] for n in decomposition.names}
