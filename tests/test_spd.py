@@ -521,3 +521,16 @@ def test_faithfulness_warmup_fits_the_components_first_and_resume_stays_exact(tm
     again.fit(resume=True)  # from step 3's checkpoint: no second warmup
     for key, value in whole.decomposition.state_dict().items():
         assert torch.equal(value, again.decomposition.state_dict()[key]), key
+
+
+def test_a_checkpoint_from_another_device_type_is_refused_by_name(tmp_path):
+    """A CUDA generator's state (16 bytes) cannot drive a CPU one (5,056): a run resumes on its device type."""
+    model = _induction_like_model()
+    names = ["blocks.0.attn.W_Q"]
+    SPDTrainer(model, names, _batches, _config(steps=3), tmp_path, progress=False).fit()
+    path = tmp_path / "checkpoints" / "step_000000003" / "state.pt"
+    state = torch.load(path, weights_only=True)
+    state["generator"] = torch.zeros(16, dtype=torch.uint8)  # the shape of a CUDA generator's state
+    torch.save(state, path)
+    with pytest.raises(ValueError, match="another kind of device than cpu"):
+        SPDTrainer(model, names, _batches, _config(steps=6), tmp_path, progress=False).fit(resume=True)

@@ -177,7 +177,8 @@ class InductionSPDStudy:
     ci_hidden: int | None = None
     """CI hidden width (default: the recipe's, 16 or 128)"""
     device: str = "cpu"
-    """where to train (e.g. cuda); a run may move between devices (it is not part of the run's identity)"""
+    """where to train (e.g. cuda); a run resumes on the kind of device it started on (the mask
+    generator's state is per device type; another is refused)"""
     trend_every: int = 0
     """train in chunks of this many steps and after each record CI-L0 per module and position on a
     128-sequence batch in OUT/NAME/trend.jsonl (+ trend.png); 0: no trend"""

@@ -371,6 +371,12 @@ class SPDTrainer(TrainingLoop):
         return torch.load(folder / "state.pt", map_location=self.device, weights_only=True)
 
     def apply_state(self, state: dict[str, Any]) -> None:
+        if state["generator"].numel() != self.generator.get_state().numel():
+            raise ValueError(
+                f"the checkpoint's mask generator is from another kind of device than {self.device} (its "
+                f"state has {state['generator'].numel()} bytes, this one's {self.generator.get_state().numel()}): "
+                "resume on the device type the run started on"
+            )
         self.decomposition.load_state_dict(state["decomposition"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.generator.set_state(state["generator"].cpu())
