@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import mxd_lens
     import mxd_lens.hooks
-    from mxd_lens.attribution import attribute, logit_target
+    from mxd_lens.attribution import attribute, logit_target, single_token
     from mxd_lens.layers.io import load_layers
     from mxd_lens.models import load_model
 
@@ -53,13 +53,11 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("attribution: give --layers (saved layer folders to splice)")
     model = load_model(args.model)
 
-    def token_id(text: str) -> int:
-        ids = model.to_tokens(text, prepend_bos=False)[0]
-        if len(ids) != 1:
-            raise SystemExit(f"attribution: {text!r} is {len(ids)} tokens; give one token")
-        return int(ids[0])
-
-    target = logit_target(token_id(args.target), token_id(args.minus) if args.minus else None)
+    try:
+        ids = [single_token(model, text) for text in (args.target, args.minus) if text]
+    except ValueError as err:
+        raise SystemExit(f"attribution: {err}") from None
+    target = logit_target(*ids)
     layers = list(load_layers(args.layers).values())
     with mxd_lens.splice(model, *layers, error_term=args.error_term):
         result = attribute(model, args.prompt, target)

@@ -444,23 +444,25 @@ def replacement_summary(result: Attribution, top: int = 10) -> dict[str, float]:
     }
 
 
+def single_token(model: Any, text: str) -> int:
+    """The id of ``text`` if it is one token of the model's vocabulary (no BOS), else ValueError."""
+    ids = model.to_tokens(text, prepend_bos=False)[0]
+    if len(ids) != 1:
+        raise ValueError(f"{text!r} is {len(ids)} tokens of this model's vocabulary; give one")
+    return int(ids[0])
+
+
 def parse_prompt(model: Any, spec: str) -> tuple[str, Callable[[torch.Tensor], torch.Tensor], str]:
     """'prompt|target|minus' (minus optional) -> (prompt, logit_target, label); target and minus must
     each be one token (a ValueError names the one that is not)."""
     pieces = spec.split("|")
     if len(pieces) not in (2, 3) or not pieces[0]:
         raise ValueError(f"prompt {spec!r}: write 'prompt|target' or 'prompt|target|minus'")
-
-    def token_id(text: str) -> int:
-        ids = model.to_tokens(text, prepend_bos=False)[0]
-        if len(ids) != 1:
-            raise ValueError(
-                f"prompt {spec!r}: {text!r} is {len(ids)} tokens of this model's vocabulary; give one"
-            )
-        return int(ids[0])
-
-    target = token_id(pieces[1])
-    minus = token_id(pieces[2]) if len(pieces) == 3 else None
+    try:
+        target = single_token(model, pieces[1])
+        minus = single_token(model, pieces[2]) if len(pieces) == 3 else None
+    except ValueError as err:
+        raise ValueError(f"prompt {spec!r}: {err}") from None
     label = f"{pieces[1]!r}" + (f" − {pieces[2]!r}" if minus is not None else "")
     return pieces[0], logit_target(target, minus), label
 

@@ -121,6 +121,10 @@ class TrainingLoop:
     def summary(self, shown: dict[str, Any]) -> str:
         return " ".join(f"{k} {v:.3g}" for k, v in shown.items() if isinstance(v, float))
 
+    def before_steps(self) -> None:
+        """Called once per ``fit``, after any resume and before the first step of this call (e.g. a
+        warmup stage that a fresh run does at ``step == 0``)."""
+
     def should_stop(self) -> bool:
         """An early end before ``total_steps`` (e.g. a target accuracy reached)."""
         return False
@@ -146,6 +150,7 @@ class TrainingLoop:
         try:
             if resume:
                 self.load_checkpoint()
+            self.before_steps()
             return self._run()
         finally:
             if lock is not None:

@@ -108,7 +108,7 @@ def load_model(
         raise TypeError(f"cls={cls!r} must be HookedTransformer or a subclass (e.g. HookedSAETransformer)")
     kwargs["cls"] = cls
     if tl_name is not None:
-        kwargs["tl_name"] = _official_name(tl_name)
+        tl_name = kwargs["tl_name"] = _official_name(tl_name)
     with _quiet_deprecation():
         if name_or_path == DEFAULT_MODEL:
             folder = _converted_folder(default_model_path())
@@ -119,6 +119,7 @@ def load_model(
                 "wheel": DEFAULT_WHEEL,
                 "file": DEFAULT_GGUF,
                 "sha256": DEFAULT_GGUF_SHA256,
+                **_named(tl_name),
             }
             return _with_source(model, name_or_path, source)
         path = Path(name_or_path).expanduser()
@@ -169,7 +170,7 @@ def _with_source(model: Any, name: str, source: dict[str, Any]) -> Any:
 
 
 def _named(tl_name: str | None) -> dict[str, Any]:
-    return {} if tl_name is None else {"tl_name": _official_name(tl_name)}
+    return {} if tl_name is None else {"tl_name": tl_name}
 
 
 def _official_name(tl_name: str) -> str:

@@ -353,6 +353,17 @@ def _batches(step: int) -> torch.Tensor:
     return torch.randint(0, 20, (4, 16), generator=torch.Generator().manual_seed(1000 + step))
 
 
+class Interrupted(Exception):
+    pass
+
+
+def interrupted(step: int) -> torch.Tensor:
+    """The batches, until a kill at step 5."""
+    if step == 5:
+        raise Interrupted
+    return _batches(step)
+
+
 def _config(**changes) -> SPDConfig:
     base = dict(C=8, steps=8, batch_size=4, lr=1e-2, checkpoint_every=3, log_every=1, layerwise_recon=1.0,
                 ci_masked_recon=1.0, faithfulness=10.0, minimality=1e-3)  # fmt: skip
@@ -383,14 +394,6 @@ def test_resume_is_exact(tmp_path):
     names = ["blocks.0.attn.W_Q", "blocks.1.attn.W_V", "blocks.1.attn.W_O"]
     whole = SPDTrainer(model, names, _batches, _config(), tmp_path / "whole", progress=False)
     whole.fit()
-
-    class Interrupted(Exception):
-        pass
-
-    def interrupted(step):
-        if step == 5:
-            raise Interrupted
-        return _batches(step)
 
     first = SPDTrainer(model, names, interrupted, _config(), tmp_path / "broken", progress=False)
     with pytest.raises(Interrupted):
@@ -506,14 +509,6 @@ def test_faithfulness_warmup_fits_the_components_first_and_resume_stays_exact(tm
     whole = SPDTrainer(model, names, _batches, config, tmp_path / "whole", progress=False)
     whole.fit()
     assert json.loads((tmp_path / "whole" / "faithfulness_warmup.json").read_text()) == record
-
-    class Interrupted(Exception):
-        pass
-
-    def interrupted(step):
-        if step == 5:
-            raise Interrupted
-        return _batches(step)
 
     with pytest.raises(Interrupted):
         SPDTrainer(model, names, interrupted, config, tmp_path / "broken", progress=False).fit()

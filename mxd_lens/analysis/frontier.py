@@ -218,7 +218,7 @@ def summary_markdown(summary: Any) -> str:
                 "seeds": int(r.seeds),
                 "ΔCE": f"{r.delta_ce:+.4f}{spread}",
                 "ΔCE / transcoder's": ""
-                if r.delta_ce_vs_transcoder != r.delta_ce_vs_transcoder
+                if math.isnan(r.delta_ce_vs_transcoder)
                 else f"{r.delta_ce_vs_transcoder:.2f}",
                 "KL": f"{r.kl:.4f}",
                 "FVU": f"{r.fvu:.3f}",

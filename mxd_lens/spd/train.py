@@ -197,10 +197,9 @@ class SPDTrainer(TrainingLoop):
             for param, flag in frozen:
                 param.requires_grad_(flag)
 
-    def _run(self) -> Any:
+    def before_steps(self) -> None:
         if self.step == 0 and self.config.faithfulness_warmup_steps:
             self.faithfulness_warmup()
-        return super()._run()
 
     def faithfulness_warmup(self) -> dict[str, float]:
         """The warmup stage (module docstring); returns and writes its start and end loss."""
@@ -211,14 +210,13 @@ class SPDTrainer(TrainingLoop):
         optimizer = torch.optim.AdamW(
             parameters, lr=cfg.faithfulness_warmup_lr, weight_decay=cfg.faithfulness_warmup_weight_decay
         )
-        start = end = float(self.decomposition.faithfulness_loss().detach())
+        start = float(self.decomposition.faithfulness_loss().detach())
         for _ in range(cfg.faithfulness_warmup_steps):
             optimizer.zero_grad(set_to_none=True)
             loss = self.decomposition.faithfulness_loss()
             self.check_loss(loss, "faithfulness warmup loss")
             loss.backward()
             optimizer.step()
-            end = float(loss.detach())
         end = float(self.decomposition.faithfulness_loss().detach())
         record = {
             "steps": cfg.faithfulness_warmup_steps,
