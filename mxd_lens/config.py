@@ -96,6 +96,9 @@ class TrainConfig:
     """the rate at the end of the decay, as a fraction of lr"""
     betas: tuple[float, float] = (0.9, 0.999)
     """Adam's betas"""
+    grad_clip: float | None = 1.0
+    """clip each learner's gradient to this global norm (None: no clipping); healthy steps are ~10x
+    below it, so it only catches spikes (the MxD K=8 divergence, docs/training.md)"""
     objective: Literal["nmse", "paper"] = "nmse"
     """training loss: sum of squared errors over the batch's target variance, or the reference code's"""
     normalize: Literal["none", "input", "input_output"] = "input_output"
@@ -155,6 +158,8 @@ class TrainConfig:
             raise ValueError(f"k_aux={self.k_aux} must be positive (aux_coefficient=0 turns AuxK off)")
         if self.dead_window_tokens is not None and self.dead_window_tokens <= 0:
             raise ValueError(f"dead_window_tokens={self.dead_window_tokens} must be positive")
+        if self.grad_clip is not None and not self.grad_clip > 0:
+            raise ValueError(f"grad_clip={self.grad_clip} must be > 0 (None turns clipping off)")
         if self.norm_tokens <= 0:
             raise ValueError(f"norm_tokens={self.norm_tokens} must be positive")
         self.betas = tuple(self.betas)
@@ -211,9 +216,8 @@ class FrontierConfig:
     grid: list[str] = field(default_factory=list)  # more points: "BLOCK:K,K[@SEED,SEED]", e.g. 25:32 15:32@1
     eval_text: str | None = None  # held-out text (default: the 'eval' side of text's split)
     cache: str | None = None  # activation cache folder, shareable between studies (default: OUT/cache)
-    width_multiplier: int = (
-        WIDTH_MULTIPLIER  # transcoder width m x d_model; MxD gets the experts that match its params
-    )
+    width_multiplier: int = WIDTH_MULTIPLIER
+    """transcoder width m x d_model; MxD gets the experts that match its parameters"""
     archs: list[str] | None = None  # keys of mxd_lens.ARCHITECTURES (default: every built-in one)
     train_tokens: int = 1_000_000  # tokens cached from the train split
     epochs: float = 1.0  # passes over them
@@ -222,6 +226,7 @@ class FrontierConfig:
     batch_tokens: int = TrainConfig.batch_tokens  # tokens per training step
     lr: float = TrainConfig.lr  # Adam learning rate
     warmup_steps: int | None = None  # None: the trainer's default fraction of the steps
+    grad_clip: float | None = TrainConfig.grad_clip  # gradient norm limit per learner (None: off)
     rows_per_block: int = StreamConfig.rows_per_block  # token rows per cache shard
     eval_batch_rows: int = 8  # token rows per evaluation forward
     eval_fraction: float = StreamConfig.eval_fraction  # documents of text held out as its 'eval' side
@@ -277,6 +282,7 @@ class FrontierConfig:
             batch_tokens=self.batch_tokens,
             lr=self.lr,
             warmup_steps=self.warmup_steps,
+            grad_clip=self.grad_clip,
             seed=seed,
             checkpoint_every=max(50, self.steps // 20),
             log_every=max(1, self.steps // 50),

@@ -142,6 +142,7 @@ class _Learner:
     optimizer: torch.optim.Adam
     firing: FiringTracker
     history: list[dict[str, float]] = field(default_factory=list)
+    clipped: int = 0  # steps whose gradient norm was over TrainConfig.grad_clip
 
 
 class Trainer(TrainingLoop):
@@ -388,6 +389,13 @@ class Trainer(TrainingLoop):
                 p.grad.div_(self.world)
         if learner.spec.normalizes_decoder:
             _remove_parallel_grad(layer.W_dec)
+        metrics = dict(out.metrics)
+        # The norm before clipping (measured with clipping off too), and how many steps were clipped.
+        norm = float(
+            torch.nn.utils.clip_grad_norm_(layer.parameters(), cfg.grad_clip or math.inf, foreach=True)
+        )
+        learner.clipped += cfg.grad_clip is not None and norm > cfg.grad_clip
+        metrics.update(grad_norm=norm, clipped_steps=learner.clipped)
         learner.optimizer.step()
         if learner.spec.normalizes_decoder:
             _normalize_rows(layer.W_dec)
@@ -395,7 +403,7 @@ class Trainer(TrainingLoop):
             learner.firing.update(out.values, out.indices, n_tokens=self.config.batch_tokens)
             if self.world > 1:
                 dist.all_reduce(learner.firing.last_fired, op=dist.ReduceOp.MAX)
-        return dict(out.metrics)
+        return metrics
 
     # -- the layers at raw scale -------------------------------------------------------------------
     def trained_layers(self) -> dict[str, MLPReplacement]:
@@ -452,6 +460,7 @@ class Trainer(TrainingLoop):
                     "optimizer": learner.optimizer.state_dict(),
                     "last_fired": learner.firing.last_fired,
                     "history": learner.history,
+                    "clipped": learner.clipped,
                 },
                 folder / name / "train_state.pt",
             )
@@ -518,6 +527,7 @@ class Trainer(TrainingLoop):
             learner.firing.last_fired = train_state["last_fired"]
             learner.firing.tokens = state["tokens_seen"]
             learner.history = train_state["history"]
+            learner.clipped = train_state.get("clipped", 0)  # absent in checkpoints before grad_clip
         self.step, self.tokens_seen = state["step"], state["tokens_seen"]
         self.scales = {int(k): tuple(v) for k, v in state["scales"].items()}
         self.loss_scale = {int(k): v for k, v in state["loss_scale"].items()}

@@ -217,6 +217,37 @@ def test_training_computes_only_the_blocks_it_uses(tmp_path):
     assert resumed.step == 6 and len(computed) == 2
 
 
+def test_grad_clip_bounds_the_gradient_adam_sees_and_logs_the_norm_before(tmp_path, monkeypatch):
+    seen = []  # the global gradient norm of each learner as the optimizer steps
+    real_step = torch.optim.Adam.step
+
+    def recording_step(self, *args, **kwargs):
+        grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
+        seen.append(float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))))
+        return real_step(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.optim.Adam, "step", recording_step)
+    runs = {}
+    for clip in (None, 0.05):
+        seen.clear()
+        trainer = Trainer(SPECS[:1], source(), config(grad_clip=clip, log_every=1), progress=False)
+        trainer.fit()
+        runs[clip] = (list(seen), trainer.learners[SPECS[0].name].history)
+    free, free_history = runs[None]
+    clipped, history = runs[0.05]
+    # Unclipped: the logged norm is the gradient Adam used; nothing counted as clipped.
+    torch.testing.assert_close([h["grad_norm"] for h in free_history], free, rtol=1e-5, atol=0)
+    assert free_history[-1]["clipped_steps"] == 0
+    # Clipped: the first step (same init, same batch) logs the free run's norm, Adam sees at most 0.05.
+    assert history[0]["grad_norm"] == pytest.approx(free[0], rel=1e-5) and free[0] > 0.05
+    assert max(clipped) <= 0.05 * (1 + 1e-5)
+    logged = [h["grad_norm"] for h in history]
+    torch.testing.assert_close(clipped, [min(n, 0.05) for n in logged], rtol=1e-5, atol=0)
+    assert history[-1]["clipped_steps"] == sum(n > 0.05 for n in logged) > 0
+    with pytest.raises(ValueError, match="grad_clip=0 must be > 0"):
+        config(grad_clip=0)
+
+
 def test_bad_configs_are_refused():
     with pytest.raises(ValueError, match="total_tokens=10 is less than one batch of 100"):
         TrainConfig(total_tokens=10, batch_tokens=100)
