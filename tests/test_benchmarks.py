@@ -117,3 +117,34 @@ def test_vs_sparsify_runs_on_a_tiny_model(tmp_path, monkeypatch, capsys):
     assert len({r["train_tokens"] for r in rows}) == 1 and all(0 < r["heldout_fvu"] < 10 for r in rows)
     assert rows[0]["params"] == rows[1]["params"]  # the same transcoder size
     assert "time / sparsify" in capsys.readouterr().out
+
+
+def test_stability_runs_each_clip_on_one_cache_and_counts_what_it_clipped(tmp_path, capsys):
+    import stability
+    from conftest import make_model
+    from test_activations import random_rows
+
+    from mxd_lens.activations import CachedActivations, ModelActivations, write_cache
+    from mxd_lens.training import LearnerSpec, TrainConfig, Trainer
+
+    write_cache(ModelActivations(make_model(), [1], random_rows(), 12, 16), tmp_path / "cache", n_blocks=3)
+    histories = stability.main(
+        ["--cache", str(tmp_path / "cache"), "--block", "1", "--k", "4", "--m", "4", "--max-blocks", "3"]
+        + ["--batch-tokens", "32", "--total-steps", "12", "--stop", "9", "--clips", "none", "0.01"]
+        + ["--window", "4", "--out", str(tmp_path / "out")]
+    )
+    free, clipped = histories["clip=None"], histories["clip=0.01"]
+    assert len(free) == len(clipped) == 9  # stopped at 9 of the 12 steps' schedule
+    # The unclipped run is the plain trainer's, step for step.
+    reference = Trainer(
+        [LearnerSpec("mxd", 1, 4, 4)],
+        CachedActivations(tmp_path / "cache", layers=[1], max_blocks=3),
+        TrainConfig(total_tokens=12 * 32, batch_tokens=32, grad_clip=None, log_every=1, checkpoint_every=0),
+        progress=False,
+    )
+    reference.fit()
+    assert [h["fvu"] for h in free] == [h["fvu"] for h in reference.learners["L1.mxd.k4.m4"].history[:9]]
+    assert clipped[-1]["clipped_steps"] == sum(h["grad_norm"] > 0.01 for h in clipped) > 0
+    table = (tmp_path / "out" / "stability.csv").read_text().splitlines()
+    assert len(table) == 3 + 3  # header lines (run, metric, index name), windows ending at steps 4, 8, 9
+    assert "clip=0.01: 9 steps" in capsys.readouterr().out
