@@ -21,6 +21,11 @@ NEUTRAL_PROMPT = "Let's talk about"  # what steered generations continue
 DEFAULT_TASKS = ("language_id/fr", "fortunes_set2/startrek", "debian_set1/games", "debian_set2/fonts")
 
 
+def optional_float(text: str) -> float | None:
+    """A command-line number, or ``none`` (any case) for None: ``--grad-clip none``."""
+    return None if text.strip().lower() == "none" else float(text)
+
+
 def scheduled_lr(
     step: int,
     total_steps: int,
@@ -96,8 +101,8 @@ class TrainConfig:
     """the rate at the end of the decay, as a fraction of lr"""
     betas: tuple[float, float] = (0.9, 0.999)
     """Adam's betas"""
-    grad_clip: float | None = 1.0
-    """clip each learner's gradient to this global norm (None: no clipping); healthy steps are ~10x
+    grad_clip: float | None = field(default=1.0, metadata={"custom_args": {"type": optional_float}})
+    """clip each learner's gradient to this global norm (none: no clipping); healthy steps are ~10x
     below it, so it only catches spikes (the MxD K=8 divergence, docs/training.md)"""
     objective: Literal["nmse", "paper"] = "nmse"
     """training loss: sum of squared errors over the batch's target variance, or the reference code's"""
@@ -226,7 +231,10 @@ class FrontierConfig:
     batch_tokens: int = TrainConfig.batch_tokens  # tokens per training step
     lr: float = TrainConfig.lr  # Adam learning rate
     warmup_steps: int | None = None  # None: the trainer's default fraction of the steps
-    grad_clip: float | None = TrainConfig.grad_clip  # gradient norm limit per learner (None: off)
+    grad_clip: float | None = field(
+        default=TrainConfig.grad_clip, metadata={"custom_args": {"type": optional_float}}
+    )
+    """gradient norm limit per learner (none: off)"""
     rows_per_block: int = StreamConfig.rows_per_block  # token rows per cache shard
     eval_batch_rows: int = 8  # token rows per evaluation forward
     eval_fraction: float = StreamConfig.eval_fraction  # documents of text held out as its 'eval' side

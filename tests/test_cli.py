@@ -47,6 +47,7 @@ def test_cache_then_train_from_it_equals_training_live(tmp_path, text_model, cap
     cached = ["train", "--cache", str(tmp_path / "cache"), "--shuffle", "block"]
     assert main([*cached, *learn, "--out", str(tmp_path / "a")]) == 0
     assert main(["train", *stream, "--blocks", "1", *learn, "--out", str(tmp_path / "b")]) == 0
+    assert main([*cached, *learn, "--grad-clip", "none", "--out", str(tmp_path / "c")]) == 0
     out = capsys.readouterr().out
     names = sorted(p.name for p in (tmp_path / "a" / "final").iterdir() if p.is_dir())
     assert names == ["L1.mxd.k2.m8", "L1.mxd.k4.m8", "L1.skip_transcoder.k2.m8", "L1.skip_transcoder.k4.m8"]
@@ -57,6 +58,9 @@ def test_cache_then_train_from_it_equals_training_live(tmp_path, text_model, cap
         record = cfg["metadata"]["training"]["data"]
         assert record.pop("digests").keys() == {"corpus.txt"}  # content digests, for the overlap check
         assert record == {"text": str(text_model), "split": "train", "eval_fraction": 0.02, "split_seed": 0}
+        assert cfg["metadata"]["training"]["config"]["grad_clip"] == 1.0  # the default
+    off = json.loads((tmp_path / "c" / "final" / names[0] / "cfg.json").read_text())["metadata"]["training"]
+    assert off["config"]["grad_clip"] is None and off["metrics"]["clipped_steps"] == 0
     for name in names:
         assert f"{name} loss=" in out
         a = load_file(tmp_path / "a" / "final" / name / "sae_weights.safetensors")
