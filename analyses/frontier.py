@@ -6,13 +6,14 @@ transcoder at several K, from one cached activation stream, spliced on held-out 
 The options are the fields of ``mxd_lens.analysis.frontier.FrontierConfig`` (``--help`` lists them with
 their defaults), plus ``--model`` and ``--out``. Writes OUT/frontier.json (config, command, results),
 OUT/frontier.csv and OUT/frontier.png; the cache and the trained weights stay under OUT for later
-studies (probing, steering).
+studies (probing, steering). ``--report`` redraws them from OUT/frontier.json and writes OUT/summary.md;
+``--override DIR`` puts another study's rows (e.g. one point rerun with other settings) in place of OUT's.
 """
 
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pandas as pd
@@ -53,12 +54,14 @@ class Script:
     cache_only: bool = False  # write (or check) the activation cache, then stop
     progress: bool = True  # progress bars; off: text log lines (for logs of background runs)
     report: bool = False  # only read OUT/frontier.json: write OUT/summary.md and redraw OUT/frontier.png
+    override: list[str] = field(default_factory=list)
+    """with --report: other studies' folders whose rows replace OUT's at the same (block, K, method, seed)"""
 
 
 def main(argv: list[str] | None = None) -> int:
     script, config = parse_config(__doc__, argv, script=Script, config=FrontierConfig)
     if script.report:
-        table = load_results(script.out)
+        table = load_results(script.out, script.override)
         text = summary_markdown(summarize(table))
         (Path(script.out) / "summary.md").write_text(text + "\n", encoding="utf-8")
         plot_frontier(table, Path(script.out) / "frontier.png")

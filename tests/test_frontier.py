@@ -132,5 +132,19 @@ def test_summary_means_over_seeds_and_compares_with_the_transcoder(tmp_path):
         "mxd",
         "skip_transcoder",
     ]
+    assert "grad clip" not in text  # one setting throughout: no column for it
+    # A rerun of one point with clipping replaces that row and is marked in the table.
+    rerun = tmp_path / "rerun"
+    rerun.mkdir()
+    point = dict(rows[0], delta_ce=0.003)
+    (rerun / "frontier.json").write_text(json.dumps({"results": [point], "train_config": {"grad_clip": 1.0}}))
+    merged = load_results(tmp_path, [rerun])
+    assert len(merged) == len(rows)
+    mxd0 = merged[(merged.method == "mxd") & (merged.block == 15) & (merged.seed == 0)]
+    assert mxd0.delta_ce.tolist() == [0.003] and mxd0.grad_clip.tolist() == [1.0]
+    assert mxd0.study.tolist() == [str(rerun)]
+    text = summary_markdown(summarize(merged))
+    clip_column = [line.split("|")[-2].strip() for line in text.splitlines()[2:]]
+    assert clip_column[:3] == ["off", "mixed", "off"]  # block 5 mxd; block 15 mxd: seed 0 clipped, 1 not
     with pytest.raises(FileNotFoundError, match="no frontier results"):
         load_results(tmp_path / "missing")

@@ -21,6 +21,7 @@ import logging
 import math
 import shlex
 import sys
+from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -137,6 +138,7 @@ def run_frontier(
                 train_tokens=trainer.tokens_seen,
                 train_fvu=train_metrics[row["name"]]["fvu"],
                 train_dead_fraction=train_metrics[row["name"]].get("dead_fraction"),
+                grad_clip=train_config.grad_clip,
                 weights=str(folder / "final" / row["name"]),
                 model=model.cfg.model_name,
             )
@@ -165,19 +167,40 @@ def write_results(rows: list[dict[str, Any]], config: FrontierConfig, out: Path)
     plot_frontier(table, out / "frontier.png")
 
 
-def load_results(path: str | Path) -> Any:
+def load_results(path: str | Path, overrides: Sequence[str | Path] = ()) -> Any:
     """The rows of a frontier.json (``path``: the file or its folder) as a DataFrame; results written
-    before the block/layer rename (a ``layer`` column) are read with it named ``block``."""
+    before the block/layer rename (a ``layer`` column) are read with it named ``block``. Each of
+    ``overrides`` (another study's frontier.json or folder, e.g. a rerun of one point with other
+    settings) replaces the rows of the same (block, K, method, seed) and adds its others. Every row
+    has ``grad_clip``: the trainer's gradient clipping (None: off, as before it existed) and
+    ``study``: the folder it came from."""
     import pandas as pd
 
-    path = Path(path)
+    tables = [_read_results(Path(p)) for p in (path, *overrides)]
+    keys = ["block", "k", "method", "seed"]
+    table = tables[0]
+    for other in tables[1:]:
+        replaced = table.set_index(keys).index.isin(other.set_index(keys).index)
+        table = pd.concat([table[~replaced], other], ignore_index=True)
+    return table
+
+
+def _read_results(path: Path) -> Any:
+    import pandas as pd
+
     if path.is_dir():
         path = path / "frontier.json"
     if not path.is_file():
         raise FileNotFoundError(f"no frontier results at {path}: run analyses/frontier.py first")
-    table = pd.DataFrame(json.loads(path.read_text())["results"])
+    record = json.loads(path.read_text())
+    table = pd.DataFrame(record["results"])
     if "block" not in table and "layer" in table:
         table = table.rename(columns={"layer": "block"})
+    if "seed" not in table:
+        table["seed"] = 0
+    if "grad_clip" not in table:  # rows written before it was recorded per row: the study's setting
+        table["grad_clip"] = (record.get("train_config") or {}).get("grad_clip")
+    table["study"] = str(path.parent)
     return table
 
 
@@ -194,11 +217,23 @@ def summarize(table: Any) -> Any:
     summary["seeds"] = grouped["seed"].nunique() if "seed" in table else 1
     summary["delta_ce_min"] = grouped["delta_ce"].min()
     summary["delta_ce_max"] = grouped["delta_ce"].max()
+    if "grad_clip" in table:
+        # the seeds' common setting; "mixed" where they differ (their mean mixes two recipes)
+        summary["grad_clip"] = grouped["grad_clip"].agg(_common_clip)
     summary = summary.reset_index()
     reference = summary[summary["method"] == "transcoder"].set_index(["block", "k"])["delta_ce"]
     ratio = summary.set_index(["block", "k"]).index.map(lambda key: reference.get(key, float("nan")))
     summary["delta_ce_vs_transcoder"] = summary["delta_ce"].to_numpy() / ratio.to_numpy(dtype=float)
     return summary.sort_values(keys, key=lambda c: c.map(_METHOD_ORDER) if c.name == "method" else c)
+
+
+def _common_clip(values: Any) -> Any:
+    settings = {None if _missing(v) else float(v) for v in values}
+    return settings.pop() if len(settings) == 1 else "mixed"
+
+
+def _missing(value: Any) -> bool:
+    return value is None or (isinstance(value, float) and math.isnan(value))
 
 
 _METHOD_ORDER = {"mxd": 0, "skip_transcoder": 1, "transcoder": 2}
@@ -207,6 +242,8 @@ _METHOD_ORDER = {"mxd": 0, "skip_transcoder": 1, "transcoder": 2}
 def summary_markdown(summary: Any) -> str:
     """``summarize``'s table as markdown, as a reader cites it: ΔCE with its seed range, KL, FVU, L0,
     dead %, CE recovered and the ΔCE ratio to the transcoder."""
+    clips = summary["grad_clip"] if "grad_clip" in summary else None
+    show_clip = clips is not None and clips.map(str).nunique() > 1  # only when the rows differ
     rows = []
     for _, r in summary.iterrows():
         spread = f" [{r.delta_ce_min:+.4f}, {r.delta_ce_max:+.4f}]" if r.seeds > 1 else ""
@@ -227,6 +264,11 @@ def summary_markdown(summary: Any) -> str:
                 "CE recovered": f"{r.ce_recovered_zero:.3f}",
             }
         )
+        if show_clip:
+            clip = r.grad_clip
+            rows[-1]["grad clip"] = (
+                "off" if _missing(clip) else clip if isinstance(clip, str) else f"{clip:g}"
+            )
     import pandas as pd
 
     return pd.DataFrame(rows).to_markdown(index=False, disable_numparse=True)
