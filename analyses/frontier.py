@@ -59,7 +59,11 @@ class Script:
 
 
 def main(argv: list[str] | None = None) -> int:
-    script, config = parse_config(__doc__, argv, script=Script, config=FrontierConfig)
+    args = sys.argv[1:] if argv is None else argv
+    if "--report" in args:  # reads OUT only: no study settings to give
+        (script,) = parse_config(__doc__, args, script=Script)
+    else:
+        script, config = parse_config(__doc__, args, script=Script, config=FrontierConfig)
     if script.report:
         table = load_results(script.out, script.override)
         text = summary_markdown(summarize(table))

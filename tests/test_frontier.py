@@ -104,7 +104,8 @@ def test_summary_means_over_seeds_and_compares_with_the_transcoder(tmp_path):
     from mxd_lens.analysis.frontier import load_results, summarize, summary_markdown
 
     rows = []
-    for method, base in (("mxd", 0.01), ("transcoder", 0.04), ("skip_transcoder", 0.02)):
+    # run_frontier writes the label ("MxD"); the summary keys by architecture ("mxd"); both are read
+    for method, base in (("MxD", 0.01), ("Transcoder", 0.04), ("skip_transcoder", 0.02)):
         for seed in (0, 1):
             rows.append(dict(method=method, layer=15, k=32, seed=seed, delta_ce=base + 0.002 * seed, kl=base / 2,
                              fvu=0.1, l0=32.0, dead_fraction=0.01 * seed, ce_recovered_zero=0.9))  # fmt: skip

@@ -198,6 +198,11 @@ def _read_results(path: Path) -> Any:
         table = table.rename(columns={"layer": "block"})
     if "seed" not in table:
         table["seed"] = 0
+    # rows name the method by its label ("MxD"); the summary keys it by architecture ("mxd")
+    from mxd_lens.layers import ARCHITECTURES
+
+    keys = {cls.label: key for key, cls in ARCHITECTURES.items()}
+    table["method"] = table["method"].map(lambda m: keys.get(m, m))
     if "grad_clip" not in table:  # rows written before it was recorded per row: the study's setting
         table["grad_clip"] = (record.get("train_config") or {}).get("grad_clip")
     table["study"] = str(path.parent)
