@@ -26,6 +26,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from mxd_lens import data
@@ -215,7 +216,8 @@ SUMMARY_METRICS = ("delta_ce", "kl", "fvu", "l0", "dead_fraction", "ce_recovered
 def summarize(table: Any) -> Any:
     """One row per (block, K, method): the mean over seeds of each metric, ``seeds``, the ΔCE range
     over seeds (``delta_ce_min``, ``delta_ce_max``), and ``delta_ce_vs_transcoder``: the method's mean
-    ΔCE over the TopK transcoder's at the same block and K (NaN where there is none)."""
+    ΔCE over the TopK transcoder's at the same block and K (NaN where there is none, or where the
+    transcoder's ΔCE is not positive), and ``kl_vs_transcoder`` likewise for KL (always defined: KL >= 0)."""
     keys = ["block", "k", "method"]
     grouped = table.groupby(keys)
     summary = grouped[list(SUMMARY_METRICS)].mean()
@@ -228,7 +230,14 @@ def summarize(table: Any) -> Any:
     summary = summary.reset_index()
     reference = summary[summary["method"] == "transcoder"].set_index(["block", "k"])["delta_ce"]
     ratio = summary.set_index(["block", "k"]).index.map(lambda key: reference.get(key, float("nan")))
-    summary["delta_ce_vs_transcoder"] = summary["delta_ce"].to_numpy() / ratio.to_numpy(dtype=float)
+    reference = ratio.to_numpy(dtype=float)
+    # a ratio of ΔCE means something only over a positive reference (a layer can lower the CE)
+    summary["delta_ce_vs_transcoder"] = summary["delta_ce"].to_numpy() / np.where(
+        reference > 0, reference, np.nan
+    )
+    kl = summary[summary["method"] == "transcoder"].set_index(["block", "k"])["kl"]
+    kl_ref = summary.set_index(["block", "k"]).index.map(lambda key: kl.get(key, float("nan")))
+    summary["kl_vs_transcoder"] = summary["kl"].to_numpy() / kl_ref.to_numpy(dtype=float)
     return summary.sort_values(keys, key=lambda c: c.map(_METHOD_ORDER) if c.name == "method" else c)
 
 
@@ -263,6 +272,7 @@ def summary_markdown(summary: Any) -> str:
                 if math.isnan(r.delta_ce_vs_transcoder)
                 else f"{r.delta_ce_vs_transcoder:.2f}",
                 "KL": f"{r.kl:.4f}",
+                "KL / transcoder's": "" if math.isnan(r.kl_vs_transcoder) else f"{r.kl_vs_transcoder:.2f}",
                 "FVU": f"{r.fvu:.3f}",
                 "L0": f"{r.l0:.1f}",
                 "dead": f"{100 * r.dead_fraction:.1f}%",
@@ -280,36 +290,47 @@ def summary_markdown(summary: Any) -> str:
 
 
 def plot_frontier(table: Any, path: Path | None = None) -> Any:
-    """ΔCE and FVU against K: one column of panels per block, one line per method, the mean over seeds
-    with error bars (min to max) where there are several. Returns the Figure (saved to ``path`` if given)."""
+    """ΔCE, KL and FVU against K: one column of panels per block, one line per method, the mean over
+    seeds with error bars (min to max) where there are several; KL and FVU on log scales (they span
+    decades; a diverged layer would flatten a linear axis). Returns the Figure (saved to ``path``)."""
     from matplotlib.figure import Figure
 
+    from mxd_lens.layers import ARCHITECTURES
+
+    panels = (
+        ("delta_ce", "ΔCE (nats/token) when spliced", "linear"),
+        ("kl", "KL(clean ‖ spliced) per token", "log"),
+        ("fvu", "FVU of the MLP output", "log"),
+    )
     blocks = sorted(table["block"].unique())
-    fig = Figure(figsize=(4.2 * len(blocks) + 1, 7), layout="constrained")
-    axes = fig.subplots(2, len(blocks), squeeze=False)
+    fig = Figure(figsize=(4.4 * len(blocks) + 1.5, 9.5), layout="constrained")
+    axes = fig.subplots(len(panels), len(blocks), squeeze=False)
     ks = sorted(table["k"].unique())
     for col, block in enumerate(blocks):
         for method, group in table[table["block"] == block].groupby("method"):
-            for row, column in enumerate(("delta_ce", "fvu")):
+            label = ARCHITECTURES[method].label if method in ARCHITECTURES else method
+            for row, (column, _, _) in enumerate(panels):
                 stats = group.groupby("k")[column].agg(["mean", "min", "max"]).sort_index()
                 err = [stats["mean"] - stats["min"], stats["max"] - stats["mean"]]
                 axes[row, col].errorbar(
-                    stats.index, stats["mean"], yerr=err, marker="o", capsize=3, label=method
+                    stats.index, stats["mean"], yerr=err, marker="o", capsize=3, label=label
                 )
-        for row, title in enumerate(("ΔCE (nats/token) when spliced", "FVU of the MLP output")):
+        for row, (_, title, scale) in enumerate(panels):
             ax = axes[row, col]
             ax.set_xscale("log", base=2)
+            ax.set_yscale(scale)
             ax.set_xticks(ks, labels=[str(k) for k in ks])
             ax.set_xlabel("K (active units per token)")
             ax.set_title(f"block {block}: {title}", fontsize=10)
             ax.grid(alpha=0.3)
+        axes[0, col].axhline(0, color="grey", lw=0.8)
     axes[0, 0].legend()
     model = table["model"].iloc[0]
     m = table["width_multiplier"].iloc[0]
     tokens = table["train_tokens"].iloc[0]
     seeds = table["seed"].nunique() if "seed" in table else 1
     spread = f"; bars: min-max over {seeds} seeds" if seeds > 1 else ""
-    fig.suptitle(f"{model}: parameter-matched at m = {m}, {tokens:,} training tokens{spread}")
+    fig.suptitle(f"{model}, m = {m}, {tokens:,} training tokens{spread}", fontsize=10)
     if path is not None:
         fig.savefig(path, dpi=120)
     return fig
