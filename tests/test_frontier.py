@@ -83,7 +83,7 @@ def test_frontier_grid_seeds_and_other_eval_text(tmp_path):
     assert "L1.seed1" in by[(1, 1, "MxD")]["weights"] and not torch.equal(a.W_enc, b.W_enc)
     assert all(r["ce_clean"] == rows[0]["ce_clean"] for r in rows)  # every group on the same held-out batches
     fig = plot_frontier(pd.DataFrame(rows))
-    assert len(fig.axes) == 4
+    assert len(fig.axes) == 6  # ΔCE, KL and FVU for each of the two blocks
 
     def spreads(ax):  # the lengths of a panel's error bars
         return [abs(seg[1][1] - seg[0][1]) for c in ax.containers for seg in c.lines[2][0].get_segments()]
