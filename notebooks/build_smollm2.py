@@ -59,7 +59,7 @@ batches = held_out_batches(model, text, "eval", eval_tokens=4096, context_size=1
 rows = evaluate(model, layers, batches, progress=False)
 pd.DataFrame(rows)[["name", "params", "delta_ce", "kl", "fvu", "l0", "dead_fraction", "ce_recovered_zero"]]""",
     ),
-    ("md", "## The frontier study (docs/results.md): ΔCE and FVU against K"),
+    ("md", "## The frontier study (docs/results.md): ΔCE, KL and FVU against K"),
     (
         "code",
         """from mxd_lens.analysis.frontier import load_results, plot_frontier, summarize
@@ -68,7 +68,7 @@ study = Path("../docs/results/frontier-v2/frontier.json")  # the committed copy 
 if study.is_file():
     table = load_results(study)
     display(plot_frontier(table))
-    display(summarize(table)[["block", "k", "method", "seeds", "delta_ce", "fvu", "l0", "dead_fraction"]])
+    display(summarize(table)[["block", "k", "method", "seeds", "delta_ce", "kl", "fvu", "l0", "dead_fraction"]])
 else:
     print(f"{study} not found: run the study (command in docs/results.md), then this notebook again")""",
     ),
