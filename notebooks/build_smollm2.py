@@ -20,7 +20,8 @@ frontier study's results, read one expert's top-activating contexts and steer wi
     ),
     (
         "code",
-        """from pathlib import Path
+        """%matplotlib inline
+from pathlib import Path
 
 import pandas as pd
 
@@ -64,9 +65,11 @@ pd.DataFrame(rows)[["name", "params", "delta_ce", "kl", "fvu", "l0", "dead_fract
         "code",
         """from mxd_lens.analysis.frontier import load_results, plot_frontier, summarize
 
-study = Path("../docs/results/frontier-v2/frontier.json")  # the committed copy of the study's results
-if study.is_file():
-    table = load_results(study)
+# the committed copy of the study's results, with the K = 8 MxD point's rerun (gradient clipping) in
+# place of its diverged run, as in docs/results.md
+study, rerun = Path("../docs/results/frontier-v2"), Path("../docs/results/frontier-v2-clip")
+if (study / "frontier.json").is_file():
+    table = load_results(study, [rerun])
     display(plot_frontier(table))
     display(summarize(table)[["block", "k", "method", "seeds", "delta_ce", "kl", "fvu", "l0", "dead_fraction"]])
 else:
