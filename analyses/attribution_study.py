@@ -40,8 +40,11 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         raise SystemExit(f"attribution_study: {err}") from None
     print(table.drop(columns=["blocks"]).round(4).to_markdown(index=False))
-    means = table.groupby("method")[["top_fraction", "error_fraction", "top_abs_share"]].mean()
-    print("\nmean over prompts:\n" + means.round(4).to_markdown())
+    columns = ["top_abs_share", "error_abs_share", "top_fraction", "error_fraction"]
+    stats = table.groupby("method")[columns].agg(["mean", "median"]).round(3)
+    stats.columns = [f"{column} {stat}" for column, stat in stats.columns]
+    print("\nover prompts (the signed fractions divide by the spliced total, which can be near zero):")
+    print(stats.T.to_markdown())
     print(f"\nwrote {script.out}/attribution_study.csv, .json, METHOD/report.html")
     return 0
 

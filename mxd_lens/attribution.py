@@ -421,8 +421,10 @@ def replacement_summary(result: Attribution, top: int = 10) -> dict[str, float]:
     number). ``spliced`` is the spliced blocks' whole attribution (units + rest + error); then
     ``top_fraction`` = Σ attribution of the ``top`` units by |attribution| / spliced,
     ``units_fraction`` = Σ every unit's / spliced, ``error_fraction`` = Σ error / spliced (signed: parts
-    may cancel, so a fraction can exceed 1), ``top_abs_share`` = Σ |top units| / (Σ |units| + Σ |error|
-    + Σ |rest|) (unsigned), and ``active_units`` = the units that fired at any position."""
+    may cancel, so a fraction can exceed 1, and it explodes where the spliced total is near zero),
+    ``top_abs_share`` = Σ |top units| / (Σ |units| + Σ |error| + Σ |rest|) and ``error_abs_share`` =
+    Σ |error| / the same (unsigned shares of the spliced blocks' attribution mass: comparable across
+    prompts), and ``active_units`` = the units that fired at any position."""
     parts = result.parts
     at_spliced = parts[parts["kind"].isin(("error", "rest (bias, skip)"))]
     error = float(at_spliced.loc[at_spliced["kind"] == "error", "attribution"].sum())
@@ -432,6 +434,7 @@ def replacement_summary(result: Attribution, top: int = 10) -> dict[str, float]:
     top_units = result.top(top)["attribution"]
     scale = spliced if abs(spliced) > 1e-12 else float("nan")
     denominator = float(units.abs().sum() + at_spliced["attribution"].abs().sum())
+    error_mass = float(at_spliced.loc[at_spliced["kind"] == "error", "attribution"].abs().sum())
     return {
         "target": result.target,
         "spliced": spliced,
@@ -439,6 +442,7 @@ def replacement_summary(result: Attribution, top: int = 10) -> dict[str, float]:
         "units_fraction": float(units.sum()) / scale,
         "error_fraction": error / scale,
         "top_abs_share": float(top_units.abs().sum()) / denominator if denominator else float("nan"),
+        "error_abs_share": error_mass / denominator if denominator else float("nan"),
         "active_units": len(result.units),
         "completeness": result.completeness,
     }

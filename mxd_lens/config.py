@@ -223,7 +223,7 @@ class FrontierConfig:
     cache: str | None = None  # activation cache folder, shareable between studies (default: OUT/cache)
     width_multiplier: int = WIDTH_MULTIPLIER
     """transcoder width m x d_model; MxD gets the experts that match its parameters"""
-    archs: list[str] | None = None  # keys of mxd_lens.ARCHITECTURES (default: every built-in one)
+    archs: list[str] | None = None  # keys of mxd_lens.ARCHITECTURES; unset: every built-in one
     train_tokens: int = 1_000_000  # tokens cached from the train split
     epochs: float = 1.0  # passes over them
     eval_tokens: int = 25_600  # held-out tokens for CE, KL, FVU, L0, dead units

@@ -218,6 +218,12 @@ def test_the_study_compares_methods_at_the_same_blocks_and_its_numbers_are_the_a
     assert row.spliced == pytest.approx(units.sum() + error + rest, rel=1e-5)
     assert row.top_fraction == pytest.approx(top2.sum() / row.spliced, rel=1e-5)
     assert row.error_fraction == pytest.approx(error / row.spliced, rel=1e-5)
+    errors = result.parts[result.parts.kind.isin(("error", "rest (bias, skip)"))]
+    mass = units.abs().sum() + errors.attribution.abs().sum()
+    assert row.top_abs_share == pytest.approx(top2.abs().sum() / mass, rel=1e-5)
+    assert row.error_abs_share == pytest.approx(
+        errors[errors.kind == "error"].attribution.abs().sum() / mass, rel=1e-5
+    )
     assert replacement_summary(result, 2)["top_fraction"] == pytest.approx(row.top_fraction, rel=1e-5)
     assert (tmp_path / "out" / "attribution_study.csv").is_file() and (
         tmp_path / "out" / "mxd" / "report.html"
@@ -238,3 +244,57 @@ def test_the_study_compares_methods_at_the_same_blocks_and_its_numbers_are_the_a
         )
     with pytest.raises(ValueError, match="no layer with K=7"):
         run_attribution_study(model, AttributionStudy(layers=study.layers, k=7), progress=False)
+
+
+def test_the_scripts_print_and_write_what_the_library_computes(tmp_path, monkeypatch, capsys):
+    """analyses/attribution.py and analyses/attribution_study.py over saved layers of a tiny model:
+    the printed target and completeness are attribute()'s, the report and the study's files are written."""
+    import re
+    import sys
+    from pathlib import Path
+
+    from conftest import make_text_model
+
+    import mxd_lens.models
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "analyses"))
+    import attribution as attribution_script
+    import attribution_study
+
+    model, _ = make_text_model(tmp_path)
+    monkeypatch.setattr(mxd_lens.models, "load_model", lambda *args, **kw: model)
+    layers = []
+    for cls, seed in ((MxD, 1), (TopKTranscoder, 2)):
+        for block in (0, 1):
+            layer = randomise(cls.for_model(model, block, d_sae=12, k=3), seed + block, scale=0.3)
+            layer.save_model(tmp_path / "final" / f"{cls.__name__}.{block}")
+            layers.append(layer)
+    mxd_folders = [str(tmp_path / "final" / f"MxD.{block}") for block in (0, 1)]
+    argv = ["--layers", *mxd_folders, "--prompt", "the cat sat on a", "--target", " mat", "--minus", " dogs"]
+    argv += ["--context-tokens", "0", "--out", str(tmp_path / "one")]
+    assert attribution_script.main(argv) == 0
+    printed = capsys.readouterr().out
+    with mxd_lens.splice(model, *layers[:2], error_term=True):
+        expected = attribute(
+            model,
+            "the cat sat on a",
+            logit_target(model.to_single_token(" mat"), model.to_single_token(" dogs")),
+        )
+    found = re.search(r"target ([-+.\d]+); parts sum ([-+.\d]+); completeness ([-+.\de]+)", printed)
+    assert found and float(found[1]) == pytest.approx(expected.target, abs=1e-5)
+    assert float(found[3]) <= 1e-4
+    assert {p.name for p in (tmp_path / "one").iterdir()} >= {
+        "units.csv",
+        "parts.csv",
+        "graph.png",
+        "report.html",
+    }
+
+    argv = ["--layers", str(tmp_path / "final"), "--k", "3", "--top", "2", "--out", str(tmp_path / "study")]
+    argv += ["--prompts", "the cat sat on a| mat| dogs", "birds sang songs of| rain"]
+    assert attribution_study.main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "top_abs_share mean" in printed and "error_abs_share median" in printed
+    assert (tmp_path / "study" / "attribution_study.csv").is_file()
+    with pytest.raises(SystemExit, match="attribution_study: .*'hills green' is 2 tokens"):
+        attribution_study.main(argv[:-2] + ["the cat|hills green"])
