@@ -427,14 +427,15 @@ def replacement_summary(result: Attribution, top: int = 10) -> dict[str, float]:
     prompts), and ``active_units`` = the units that fired at any position."""
     parts = result.parts
     at_spliced = parts[parts["kind"].isin(("error", "rest (bias, skip)"))]
-    error = float(at_spliced.loc[at_spliced["kind"] == "error", "attribution"].sum())
-    rest = float(at_spliced.loc[at_spliced["kind"] != "error", "attribution"].sum())
+    is_error = at_spliced["kind"] == "error"
+    error = float(at_spliced.loc[is_error, "attribution"].sum())
+    rest = float(at_spliced.loc[~is_error, "attribution"].sum())
     units = result.units["attribution"]
     spliced = float(units.sum()) + error + rest
     top_units = result.top(top)["attribution"]
     scale = spliced if abs(spliced) > 1e-12 else float("nan")
     denominator = float(units.abs().sum() + at_spliced["attribution"].abs().sum())
-    error_mass = float(at_spliced.loc[at_spliced["kind"] == "error", "attribution"].abs().sum())
+    error_mass = float(at_spliced.loc[is_error, "attribution"].abs().sum())
     return {
         "target": result.target,
         "spliced": spliced,
