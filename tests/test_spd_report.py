@@ -175,10 +175,13 @@ def test_rank_replacement_is_exact_at_full_rank_and_for_a_rank_one_weight(tmp_pa
     batch = TASK.sample_batch(32, torch.Generator().manual_seed(2))
     clean_acc = accuracy(model, batch.tokens, batch.labels)
     full = rank_replacement(model, batch, ranks=(1, 16))
+    # "exact" = float32 noise: KLs of 1e-9 to 4e-9 were seen for exact replacements of this confident
+    # model (CI, session 9), against > 0.1 for the inexact rank-1 V1 below
+    exact = 1e-7
     assert set(full) == set(EXPECTED_CIRCUIT)
     for name, rows in full.items():
         last = rows[-1]
-        assert last["rank"] == 16 and last["accuracy"] == clean_acc and last["kl"] < 1e-9, name
+        assert last["rank"] == 16 and last["accuracy"] == clean_acc and last["kl"] < exact, name
     # K0 and V0 read the same token (S) at every s1: one output vector, so rank 1 is exact there
     for name in ("blocks.0.attn.W_K", "blocks.0.attn.W_V"):
         assert full[name][0]["kl"] < 1e-6, name
@@ -190,7 +193,7 @@ def test_rank_replacement_is_exact_at_full_rank_and_for_a_rank_one_weight(tmp_pa
         u, s, vh = torch.linalg.svd(W)
         W.copy_(s[0] * u[:, :1] @ vh[:1])
     (row,) = rank_replacement(model, batch, ranks=(1,), modules=["blocks.1.attn.W_V"])["blocks.1.attn.W_V"]
-    assert row["kl"] < 1e-9 and row["accuracy"] == accuracy(model, batch.tokens, batch.labels)
+    assert row["kl"] < exact and row["accuracy"] == accuracy(model, batch.tokens, batch.labels)
 
 
 def test_components_carrying_matches_a_brute_force_count(setup) -> None:
