@@ -308,3 +308,77 @@ def test_the_bundled_sets_load_and_each_file_has_its_licence_written():
     assert len(examples) == sets[0].per_class * len(sets[0].classes)
     with pytest.raises(FileNotFoundError, match="holds none of the offline suite"):
         offline_suite(None, root.parent / "nowhere")
+
+
+def test_merged_studies_equal_one_study_of_all_layers(text_model, tmp_path, capsys):
+    """Probing two layers in one study, or each in its own study and merging the two, gives the same
+    tables (the dense ceiling, computed by both, appears once); a study on other texts is refused."""
+    import sys
+    from pathlib import Path
+
+    import pandas as pd
+
+    from mxd_lens.analysis.probing import ProbingStudy, merge_probing, read_probing_table, run_probing_study
+
+    task_set = jsonl_task_set(
+        labelled_file(tmp_path / "animals.jsonl.xz"), ["cat", "dog", "bird"], per_class=30
+    )
+    for name, layer in {
+        "mxd": MxD.for_model(text_model, 1, d_sae=6, k=4),
+        "tc": TopKTranscoder.for_model(text_model, 1, d_sae=16, k=4),
+    }.items():
+        randomise(layer, 3, scale=0.05)
+        layer.save_model(tmp_path / "final" / name)
+
+    def study(layers, out, task=task_set):
+        config = ProbingStudy(layers=layers, ks=[1, 2], context_size=12)
+        run_probing_study(text_model, config, tmp_path / out, progress=False, task_sets=[task])
+        return tmp_path / out
+
+    both = study([str(tmp_path / "final")], "both")
+    one = study([str(tmp_path / "final" / "mxd")], "one")
+    other = study([str(tmp_path / "final" / "tc")], "other")
+    # through the script (which calls merge_probing): what a user runs
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "analyses"))
+    import merge_probing as script
+
+    assert script.main([str(one), str(other), "--out", str(tmp_path / "merged")]) == 0
+    assert "MxD - Transcoder" in capsys.readouterr().out
+    merged = {"paired": pd.read_csv(tmp_path / "merged/paired.csv")}
+
+    def rows(table):
+        return table.sort_values(["task", "source", "k"]).reset_index(drop=True)
+
+    expected = read_probing_table(both)
+    pd.testing.assert_frame_equal(rows(read_probing_table(tmp_path / "merged")), rows(expected))
+    for name in ("summary.csv", "paired.csv"):
+        pd.testing.assert_frame_equal(
+            pd.read_csv(tmp_path / "merged" / name), pd.read_csv(both / name), check_exact=False
+        )
+    assert len(merged["paired"]) == 2  # MxD - Transcoder at k = 1 and 2
+    assert (tmp_path / "merged" / "probing.png").is_file()
+    record = json.loads((tmp_path / "merged/probing.json").read_text())
+    assert record["merged_from"] == [str(one), str(other)] and len(record["studies"]) == 2
+
+    # a shared row that differs (as from a study on other texts or another model) is named and refused
+    tampered = read_probing_table(other)
+    dense = tampered.index[tampered.k == "all"][0]
+    tampered.loc[dense, "test_accuracy"] -= 0.125
+    (tmp_path / "tampered").mkdir()
+    tampered.to_csv(tmp_path / "tampered/probing.csv", index=False)
+    with pytest.raises(
+        ValueError, match=f"{tampered.source[dense]} at k=all on {tampered.task[dense]}.*cannot be merged"
+    ):
+        merge_probing([one, tmp_path / "tampered"], tmp_path / "refused")
+    fewer = read_probing_table(other)
+    fewer = fewer[fewer.task != fewer.task[0]]
+    (tmp_path / "fewer").mkdir()
+    fewer.to_csv(tmp_path / "fewer/probing.csv", index=False)
+    with pytest.raises(ValueError, match="other tasks"):
+        merge_probing([one, tmp_path / "fewer"], tmp_path / "refused")
+    with pytest.raises(ValueError, match="at least two"):
+        merge_probing([one], tmp_path / "refused")
+    with pytest.raises(FileNotFoundError, match="probing study wrote"):
+        merge_probing([one, tmp_path], tmp_path / "refused")
+    with pytest.raises(SystemExit, match="merge_probing: .*other tasks"):
+        script.main([str(one), str(tmp_path / "fewer"), "--out", str(tmp_path / "refused")])

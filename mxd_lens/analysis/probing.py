@@ -464,12 +464,6 @@ def run_probing_study(
     )  # fmt: skip
     labels = {name: layer_label(layer) for name, layer in layers.items()}
     table["label"] = table.source.map(labels).fillna(table.source)
-    table.to_csv(out / "probing.csv", index=False)
-    summary = summarize(table)
-    summary.insert(0, "label", [labels.get(s, s) for s in summary.index])
-    summary.to_csv(out / "summary.csv")
-    pairs = paired_comparisons(table, labels)
-    pairs.to_csv(out / "paired.csv", index=False)
     record = {
         "command": command,
         "study": asdict(study),
@@ -477,8 +471,77 @@ def run_probing_study(
         "layers": {name: (layer.cfg.metadata.training or {}).get("tokens") for name, layer in layers.items()},
         "task_sets": [{"name": s.name, "classes": s.classes, "per_class": s.per_class, "binary": s.binary,
                        "family": s.family} for s in task_sets],
-        "rows": json.loads(table.to_json(orient="records")),
     }  # fmt: skip
+    return write_probing_report(table, out, record)
+
+
+def write_probing_report(
+    table: pd.DataFrame, out: str | Path, record: dict[str, Any]
+) -> dict[str, pd.DataFrame]:
+    """OUT/probing.csv and .json (``record`` plus the rows), summary.csv, paired.csv and probing.png
+    from a long table with a ``label`` column ('MxD K=32', ...; the source itself for dense rows)."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    labels = dict(zip(table.source, table.label, strict=True))
+    layer_labels = {s: label for s, label in labels.items() if s != label}
+    table.to_csv(out / "probing.csv", index=False)
+    summary = summarize(table)
+    summary.insert(0, "label", [labels.get(s, s) for s in summary.index])
+    summary.to_csv(out / "summary.csv")
+    pairs = paired_comparisons(table, layer_labels)
+    pairs.to_csv(out / "paired.csv", index=False)
+    record = {**record, "rows": json.loads(table.to_json(orient="records"))}
     atomic_write_text(out / "probing.json", json.dumps(record, indent=1))
-    plot_probing(table, labels, out / "probing.png")
+    plot_probing(table, layer_labels, out / "probing.png")
     return {"table": table, "summary": summary, "paired": pairs}
+
+
+def read_probing_table(folder: str | Path) -> pd.DataFrame:
+    """A study's OUT/probing.csv as written (``k`` as text: 1, 2, 5 or 'all')."""
+    import pandas as pd
+
+    path = Path(folder) / "probing.csv"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found: give the folder a probing study wrote (OUT/probing)")
+    return pd.read_csv(path, dtype={"k": str})
+
+
+def merge_probing(
+    folders: Sequence[str | Path], out: str | Path, command: str | None = None
+) -> dict[str, pd.DataFrame]:
+    """One report from several probing studies of the same suite (e.g. layers at K = 32 probed in one
+    session, K = 16 and 64 in another): their tables joined and written as ``run_probing_study`` does.
+    Rows that two studies share (the dense ceiling, a layer probed twice) must agree exactly, since
+    they are the same probe on the same texts; a difference means other data, model or settings and
+    is refused, naming the first rows that differ. The studies must cover the same tasks."""
+    import pandas as pd
+
+    if len(folders) < 2:
+        raise ValueError("give at least two probing folders to merge")
+    key = ["task", "source", "k"]
+    tables = [read_probing_table(folder) for folder in folders]
+    tasks = [set(t.task) for t in tables]
+    for folder, found in zip(folders[1:], tasks[1:], strict=True):
+        if found != tasks[0]:
+            raise ValueError(
+                f"{folder} probed other tasks than {folders[0]} (only in one: "
+                f"{sorted(found ^ tasks[0])[:5]}): merge studies of the same suite"
+            )
+    joined = pd.concat(tables, keys=range(len(tables)), names=["study", None]).reset_index("study")
+    dup = joined[joined.duplicated(key, keep=False)]
+    for _, rows in dup.groupby(key):
+        if rows.test_accuracy.nunique() > 1 or rows.features.nunique() > 1:
+            first = rows.iloc[0]
+            raise ValueError(
+                f"{first.source} at k={first.k} on {first.task}: test accuracy "
+                f"{rows.test_accuracy.tolist()} in {[str(folders[i]) for i in rows.study]}; the studies "
+                "ran on other data, model or settings and cannot be merged"
+            )
+    table = joined.drop_duplicates(key).drop(columns="study").reset_index(drop=True)
+    record = {"command": command, "merged_from": [str(f) for f in folders]}
+    for folder in folders:
+        meta = Path(folder) / "probing.json"
+        if meta.is_file():
+            old = json.loads(meta.read_text())
+            record.setdefault("studies", []).append({k: v for k, v in old.items() if k != "rows"})
+    return write_probing_report(table, out, record)
