@@ -6,7 +6,12 @@ held-out batches.
     HF_HUB_OFFLINE=1 python docs/results/frontier-v2/check_ce.py L15.skip_transcoder.k32.m8 L15.mxd.k32.m8
 
 with RUN the study's runs/L15.seed0/final/ and TEXT its training text (docs/results.md). Output:
-check_ce.txt beside this file.
+check_ce.txt beside this file. BLOCK (default 15) is the block whose MLP is replaced; block 25's
+check (frontier-v6) is
+
+    BLOCK=25 RUN=results/frontier-v6/runs/L25.seed0/final/ TEXT=results/data/austen_bible_mixed.txt.xz \
+        HF_HUB_OFFLINE=1 python docs/results/frontier-v2/check_ce.py L25.mxd.k32.m8 L25.skip_transcoder.k32.m8 \
+        L25.transcoder.k32.m8 > docs/results/frontier-v6/check_ce.txt
 """
 
 import os
@@ -23,12 +28,13 @@ from mxd_lens.models import load_model
 torch.set_num_threads(1)
 TEXT = os.environ.get("TEXT", "data/frontier_text/austen_bible_mixed.txt.xz")
 RUN = os.environ.get("RUN", "results/frontier-v2/runs/L15.seed0/final/")
+BLOCK = int(os.environ.get("BLOCK", "15"))
 model = load_model("smollm2-135m")
 batches = held_out_batches(model, TEXT, "eval", 51200, 128, 8, 0.05, 0)
 run = RUN
 names = sys.argv[1:]
 layers = {n: SAE.load_from_disk(run + n).eval() for n in names}
-mlp = model.blocks[15].mlp
+mlp = model.blocks[BLOCK].mlp
 sums = {"clean": 0.0, **{n: 0.0 for n in names}}
 per_batch = {n: [] for n in names}
 count = 0
