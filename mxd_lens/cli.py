@@ -224,7 +224,7 @@ def _run_study(args: argparse.Namespace, verb: str, folder: str, run: Any) -> An
 def _probe(args: argparse.Namespace) -> int:
     """Sparse probing of saved layers on the offline suite (or SAEBench's): OUT/probing/{probing.csv,
     summary.csv, paired.csv, probing.json, probing.png}."""
-    from mxd_lens.analysis.probing import run_probing_study
+    from mxd_lens.analysis.probing import print_probing, run_probing_study
 
     out, results = _run_study(
         args,
@@ -232,10 +232,7 @@ def _probe(args: argparse.Namespace) -> int:
         "probing",
         lambda model, study, out: run_probing_study(model, study, out, command=_command()),
     )
-    print(results["summary"].round(3).to_markdown())
-    if len(results["paired"]):
-        print("\nPaired differences in test accuracy (same task), mean over tasks:")
-        print(results["paired"].round(3).to_markdown(index=False))
+    print_probing(results)
     print(f"\nwrote {out}/")
     return 0
 

@@ -221,20 +221,27 @@ def test_paired_difference_against_a_hand_count():
     assert (out.a_wins, out.b_wins, out.tasks) == (2, 1, 3)
 
 
+def animal_task_and_layers(model, tmp_path):
+    """The animals task set (3 classes, 30 texts each) and an MxD and a transcoder (K = 4) of block 1
+    saved under tmp_path/final/{mxd,tc}."""
+    task_set = jsonl_task_set(
+        labelled_file(tmp_path / "animals.jsonl.xz"), ["cat", "dog", "bird"], per_class=30
+    )
+    for name, layer in {
+        "mxd": MxD.for_model(model, 1, d_sae=6, k=4),
+        "tc": TopKTranscoder.for_model(model, 1, d_sae=16, k=4),
+    }.items():
+        randomise(layer, 3, scale=0.05)
+        layer.save_model(tmp_path / "final" / name)
+    return task_set
+
+
 def test_probing_study_writes_its_tables_and_pairs_by_k(text_model, tmp_path):
     import pandas as pd
 
     from mxd_lens.analysis.probing import ProbingStudy, run_probing_study
 
-    task_set = jsonl_task_set(
-        labelled_file(tmp_path / "animals.jsonl.xz"), ["cat", "dog", "bird"], per_class=30
-    )
-    for name, layer in {
-        "mxd": MxD.for_model(text_model, 1, d_sae=6, k=4),
-        "tc": TopKTranscoder.for_model(text_model, 1, d_sae=16, k=4),
-    }.items():
-        randomise(layer, 3, scale=0.05)
-        layer.save_model(tmp_path / "final" / name)
+    task_set = animal_task_and_layers(text_model, tmp_path)
     study = ProbingStudy(layers=[str(tmp_path / "final")], ks=[1, 2], context_size=12)
     out = run_probing_study(text_model, study, tmp_path / "out", progress=False, task_sets=[task_set])
     for name in ("probing.csv", "summary.csv", "paired.csv", "probing.json", "probing.png"):
@@ -320,15 +327,7 @@ def test_merged_studies_equal_one_study_of_all_layers(text_model, tmp_path, caps
 
     from mxd_lens.analysis.probing import ProbingStudy, merge_probing, read_probing_table, run_probing_study
 
-    task_set = jsonl_task_set(
-        labelled_file(tmp_path / "animals.jsonl.xz"), ["cat", "dog", "bird"], per_class=30
-    )
-    for name, layer in {
-        "mxd": MxD.for_model(text_model, 1, d_sae=6, k=4),
-        "tc": TopKTranscoder.for_model(text_model, 1, d_sae=16, k=4),
-    }.items():
-        randomise(layer, 3, scale=0.05)
-        layer.save_model(tmp_path / "final" / name)
+    task_set = animal_task_and_layers(text_model, tmp_path)
 
     def study(layers, out, task=task_set):
         config = ProbingStudy(layers=layers, ks=[1, 2], context_size=12)

@@ -496,6 +496,14 @@ def write_probing_report(
     return {"table": table, "summary": summary, "paired": pairs}
 
 
+def print_probing(results: Mapping[str, pd.DataFrame]) -> None:
+    """The summary and the paired differences of a study's (or a merge's) results, as markdown."""
+    print(results["summary"].round(3).to_markdown())
+    if len(results["paired"]):
+        print("\nPaired differences in test accuracy (same task), mean over tasks:")
+        print(results["paired"].round(3).to_markdown(index=False))
+
+
 def read_probing_table(folder: str | Path) -> pd.DataFrame:
     """A study's OUT/probing.csv as written (``k`` as text: 1, 2, 5 or 'all')."""
     import pandas as pd
