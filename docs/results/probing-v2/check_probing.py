@@ -1,8 +1,9 @@
-"""Independent check of the K=32 sparse-probing ranking (issue 11): 5-fold stratified CV instead of the
+"""Independent check of the sparse-probing ranking at one K (issue 11; K = 32 unless a third argument says): 5-fold stratified CV instead of the
 study's 60/20/20 split, top-5 features by |mean difference| on the training folds, plain
 LogisticRegression(C=1, class_weight="balanced") on standardised features, balanced accuracy
 (the study balances its test split; one-vs-rest folds here are 1:4 or so). Reads the study's pooled activations.
-    python docs/results/probing-v2/check_probing.py results/v2/probing/pooled /work/shared/data/probing"""
+    python docs/results/probing-v2/check_probing.py results/v2/probing/pooled /work/shared/data/probing
+    python docs/results/probing-v2/check_probing.py results/v3/probing/pooled /work/shared/data/probing 16"""
 
 import sys
 
@@ -17,7 +18,8 @@ from sklearn.preprocessing import StandardScaler
 from mxd_lens.analysis.tasks import offline_suite
 
 pooled, data = sys.argv[1], sys.argv[2]
-names = ["L15.mxd.k32.m8", "L15.transcoder.k32.m8", "L15.skip_transcoder.k32.m8"]
+K = int(sys.argv[3]) if len(sys.argv) > 3 else 32
+names = [f"L15.{arch}.k{K}.m8" for arch in ("mxd", "transcoder", "skip_transcoder")]
 scores = {n: [] for n in names}
 for task_set in offline_suite(data_root=data):
     ex = task_set.load(data)
