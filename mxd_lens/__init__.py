@@ -35,8 +35,11 @@ LAYER_NAMES = (  # what mxd_lens.layers exports (its __all__ is this tuple)
     "TopKSkipTranscoderConfig",
     "TopKTranscoder",
     "TopKTranscoderConfig",
+    "arch_label",
     "architecture_key",
+    "format_arch",
     "get_architecture",
+    "parse_arch",
     "register",
     "register_architecture",
 )

@@ -99,7 +99,8 @@ class TrainCommand:
     shuffle: Literal["global", "block"] = "global"
     """with --cache: permute all of it every epoch (global), or read it block by block as a live stream"""
     arch: list[str] = field(default_factory=lambda: ["mxd", "transcoder"])
-    """architectures: keys of mxd_lens.ARCHITECTURES (mxd, transcoder, skip_transcoder, any registered)"""
+    """architectures: keys of mxd_lens.ARCHITECTURES (mxd, transcoder, skip_transcoder, any registered), each
+    with config options if wanted: mxd:gate=topk, mxd:balance_rate=0.001, mxd:d_hidden=384"""
     k: list[int] = field(default_factory=lambda: [32])
     """active units per token, one or more"""
     width_multiplier: list[int] = field(default_factory=lambda: [WIDTH_MULTIPLIER])
@@ -114,9 +115,9 @@ class TrainCommand:
     """no progress bar (text log lines instead)"""
 
     def __post_init__(self) -> None:
-        from mxd_lens.layers import ARCHITECTURES
+        from mxd_lens.layers import ARCHITECTURES, parse_arch
 
-        unknown = [a for a in self.arch if a not in ARCHITECTURES]
+        unknown = [a for a in self.arch if parse_arch(a)[0] not in ARCHITECTURES]
         if unknown:
             raise ValueError(
                 f"--arch {' '.join(unknown)}: not a key of mxd_lens.ARCHITECTURES {list(ARCHITECTURES)}"
@@ -407,7 +408,7 @@ def demo_table(rows: list[dict[str, Any]]) -> str:
     table = pd.DataFrame(rows)
     table = pd.DataFrame(
         {
-            "method": table["method"],
+            "method": table["label"],
             "params": table["params"].map("{:,}".format),
             "clean CE": table["ce_clean"].map("{:.3f}".format),
             "ΔCE": table["delta_ce"].map("{:+.4f}".format),
@@ -421,16 +422,25 @@ def demo_table(rows: list[dict[str, Any]]) -> str:
 
 
 def demo_verdict(rows: list[dict[str, Any]]) -> str:
-    """One sentence: which method raised the loss least, and what ΔCE means."""
-    best, *others = sorted(rows, key=lambda r: r["delta_ce"])
-    rest = "; ".join(f"{r['method']} {r['delta_ce']:+.4f}" for r in others)
-    zero = best["ce_zero_ablation"] - best["ce_clean"]
-    return (
-        f"{best['method']} raised the held-out loss least: ΔCE {best['delta_ce']:+.4f} nats/token "
-        f"(vs {rest}). ΔCE is the spliced model's next-token loss minus the clean model's: lower is "
-        f"better, 0 means as good as the model's own MLP, and deleting the MLP (zero-ablation) gives "
-        f"{zero:+.4f}."
+    """What the numbers say, ranked by KL (how far the spliced model's predictions move from the
+    model's own), with ΔCE beside it and a negative ΔCE worded as what it is."""
+    rows = sorted(rows, key=lambda r: r["kl"])
+    zero = rows[0]["ce_zero_ablation"] - rows[0]["ce_clean"]
+    kl = "; ".join(f"{r['label']} {r['kl']:.4f}" for r in rows)
+    ce = "; ".join(f"{r['label']} {r['delta_ce']:+.4f}" for r in rows)
+    text = (
+        f"{rows[0]['label']} stays closest to the model: KL(clean ‖ spliced) {kl} nats/token. ΔCE, the "
+        f"spliced model's next-token loss minus the clean model's (0: as good as the model's own MLP; "
+        f"deleting the MLP gives {zero:+.4f}): {ce}."
     )
+    negative = [r["label"] for r in rows if r["delta_ce"] < 0]
+    if negative:
+        text += (
+            f" A negative ΔCE ({', '.join(negative)}) is not a better model: the spliced model predicts this "
+            "held-out text better than the model itself because the layer was fitted to text like it; KL "
+            "counts that as a change."
+        )
+    return text
 
 
 def _cache(args: argparse.Namespace) -> int:
@@ -522,7 +532,7 @@ def _train(args: argparse.Namespace) -> int:
         source = ModelActivations.from_config(model, args.blocks, stream_config)
     blocks = args.blocks or source.info.layers
     specs = [
-        LearnerSpec(arch, block, k, m, init=args.init if arch == "mxd" else "default")
+        LearnerSpec(arch, block, k, m, init=args.init if arch.partition(":")[0] == "mxd" else "default")
         for block in blocks
         for arch in args.arch
         for k in args.k

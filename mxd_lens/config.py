@@ -220,10 +220,17 @@ class FrontierConfig:
     ks: list[int] = field(default_factory=lambda: [16, 32, 64])  # active units per token
     grid: list[str] = field(default_factory=list)  # more points: "BLOCK:K,K[@SEED,SEED]", e.g. 25:32 15:32@1
     eval_text: str | None = None  # held-out text (default: the 'eval' side of text's split)
+    ood_text: str | None = None
+    """a second, out-of-domain evaluation text (every document; e.g. news when training on books): each
+    row gains its metrics as ood_delta_ce, ood_kl, ood_fvu, ..."""
+    ood_eval_tokens: int | None = None  # tokens of ood_text (default: eval_tokens)
     cache: str | None = None  # activation cache folder, shareable between studies (default: OUT/cache)
     width_multiplier: int = WIDTH_MULTIPLIER
     """transcoder width m x d_model; MxD gets the experts that match its parameters"""
-    archs: list[str] | None = None  # keys of mxd_lens.ARCHITECTURES; unset: every built-in one
+    archs: list[str] | None = None
+    """keys of mxd_lens.ARCHITECTURES, with options if wanted (mxd:gate=topk); unset: every built-in one"""
+    arch_lr: list[str] = field(default_factory=list)
+    """a learning rate per architecture, "ARCH=LR" (e.g. mxd=0.001 transcoder=0.002); others use lr"""
     train_tokens: int = 1_000_000  # tokens cached from the train split
     epochs: float = 1.0  # passes over them
     eval_tokens: int = 25_600  # held-out tokens for CE, KL, FVU, L0, dead units
@@ -250,10 +257,29 @@ class FrontierConfig:
             self.text = str(data.default_text())
         if self.archs is None:
             self.archs = list(BUILT_IN)
+        from mxd_lens.layers import parse_arch
+
         for arch in self.archs:
-            get_architecture(arch)  # a clear error for an unknown key
+            get_architecture(parse_arch(arch)[0])  # a clear error for an unknown key (options: LearnerSpec)
+        self.lr_of(self.archs[0])  # a clear error for a malformed arch_lr
         if not self.learners():
             raise ValueError("give at least one block and one K (blocks and ks, or grid)")
+
+    def lr_of(self, arch: str) -> float | None:
+        """The rate ``arch_lr`` gives ``arch`` (None: the study's ``lr``)."""
+        rates = {}
+        for entry in self.arch_lr:
+            name, sep, value = entry.rpartition("=")
+            try:
+                rates[name] = float(value)
+            except ValueError:
+                sep = ""
+            if not sep or not name or rates[name] <= 0:
+                raise ValueError(f"arch_lr entry {entry!r}: write ARCH=LR with LR > 0, e.g. 'mxd=0.001'")
+        unknown = sorted(set(rates) - set(self.archs or ()))
+        if unknown:
+            raise ValueError(f"arch_lr names {unknown}, which are not in archs {self.archs}")
+        return rates.get(arch)
 
     def learners(self) -> list[tuple[int, int, int]]:
         """(block, K, seed) for every point of the grid, in order, without repeats."""

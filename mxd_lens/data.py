@@ -20,7 +20,7 @@ import json
 import lzma
 import os
 import zlib
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Literal
@@ -436,25 +436,45 @@ def default_text() -> Path:
     return Path(str(files("mxd_lens") / "resources" / "jane_austen_novels.txt.xz"))
 
 
-def mix_texts(sources: Sequence[str | Path], out: str | Path) -> tuple[int, list[int]]:
+def mix_texts(
+    sources: Sequence[str | Path],
+    out: str | Path,
+    *,
+    measure: Callable[[str], int] | None = None,
+    per_source: int | None = None,
+) -> tuple[int, list[int]]:
     """Interleave the documents of ``sources`` into the .txt.xz ``out``, balanced by volume: the next
-    document always comes from the source that has given the fewest characters so far (while it has
-    documents left), so any prefix holds about as much of each source whatever their document lengths.
+    document always comes from the source that has given the least so far (while it has documents
+    left), so any prefix holds about as much of each source whatever their document lengths.
+    ``measure`` is how a document's volume counts (default: characters; a tokenizer's token count
+    gives equal *token* shares). With ``per_source`` the mix stops taking from a source once it has given
+    that much, and a source that runs out first is an error (the shares would not be equal).
     Documents are separated by blank lines, so ``iter_texts(out)`` reads back the same documents.
-    Written atomically. Returns (documents, characters per source)."""
+    Written atomically. Returns (documents, volume per source)."""
     from mxd_lens.fileio import atomic_write
+
+    measure = measure or len
+    if per_source is not None and per_source <= 0:
+        raise ValueError(f"per_source={per_source} must be positive")
 
     def write(tmp: str) -> None:
         streams = {i: iter_texts(source) for i, source in enumerate(sources)}
         with lzma.open(tmp, "wt", encoding="utf-8") as f:
             while streams:
                 i = min(streams, key=lambda j: given[j])
+                if per_source is not None and given[i] >= per_source:
+                    del streams[i]
+                    continue
                 doc = next(streams[i], None)
                 if doc is None:
+                    if per_source is not None:
+                        raise ValueError(
+                            f"{sources[i]} holds {given[i]:,} of the {per_source:,} asked per source: lower per_source"
+                        )
                     del streams[i]
                     continue
                 f.write(("\n\n" if counts[0] else "") + doc)
-                given[i] += len(doc)
+                given[i] += measure(doc)
                 counts[0] += 1
 
     given, counts = [0] * len(sources), [0]

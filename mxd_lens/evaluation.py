@@ -14,10 +14,23 @@ Definitions (all per predicted token, averaged over the held-out tokens):
 - CE recovered = (CE(ablated) − CE(spliced)) / (CE(ablated) − CE(clean)), for zero- and mean-ablation.
 - KL = KL(clean ‖ spliced) of the next-token distributions.
 - FVU = Σ‖ŷ − y‖² / Σ‖y − ȳ‖² against the true MLP output y on the clean input; explained variance
-  = 1 − FVU. L0 = mean active codes per token. Dead fraction = units never active on these tokens
-  (``mxd_lens.firing`` with the window = all held-out tokens; training uses the same definition with
-  its own window).
-  (When the model prepends BOS, position 0 is left out of FVU/L0/dead, as in training.)
+  = 1 − FVU.
+
+How the units are used (a unit is *active* on a token where its code is non-zero; MxD's ``topk`` gate
+gives signed codes):
+- ``l0``: active codes per token (≠ 0); ``l0_positive``: codes > 0 (equal for ReLU'd codes).
+- ``always_on``: units active on more than half of the tokens.
+- ``effective_units``: per token exp(entropy of |a| / Σ|a|) (1 when one code carries all the weight,
+  L0 when all weigh the same), averaged over tokens.
+- ``top1_fvu``: the FVU left when each token keeps only its largest |code| (the rest zeroed, the dense
+  parts kept): near 1 when no single code carries the output.
+- ``dead_fraction``: units *silent* on these held-out tokens (never active; ``mxd_lens.firing`` with the
+  window = every token evaluated, so it depends on how many were); ``train_dead_fraction``: the
+  trainer's dead fraction (its own window) as the layer's training record states it.
+- ``jacobian_cos``: the mean over ``jacobian_tokens`` tokens of the cosine between the layer's
+  input→output Jacobian and the MLP's (``mxd_lens.jacobian``: exact, or from ``jacobian_directions``
+  random directions per token).
+  (When the model prepends BOS, position 0 is left out of all of these, as in training.)
 """
 
 from __future__ import annotations
@@ -33,6 +46,7 @@ from tqdm.auto import tqdm
 
 from mxd_lens import hooks
 from mxd_lens.firing import FiringTracker
+from mxd_lens.jacobian import jacobian_cosine
 from mxd_lens.layers.base import MLPReplacement
 
 
@@ -45,12 +59,15 @@ def evaluate(
     baselines: bool = True,
     skip_first_position: bool | None = None,
     progress: bool = True,
+    jacobian_tokens: int = 256,
+    jacobian_directions: int | None = 16,
 ) -> list[dict[str, Any]]:
     """One row of metrics per layer (and one for all layers spliced together when ``together``).
 
     ``batches`` are [batch, context] token tensors from *held-out* text. ``baselines=False`` skips
     the zero- and mean-ablation runs (no ``ce_*_ablation`` / ``ce_recovered_*`` columns). Turn the
-    result into a table with ``pandas.DataFrame(rows)``.
+    result into a table with ``pandas.DataFrame(rows)``. ``jacobian_tokens`` (0: skip) and
+    ``jacobian_directions`` (None: the exact Jacobian) set the Jacobian cosine (see the module doc).
 
     Cost per batch: one clean forward that keeps the residual stream at each replaced block; per
     layer, the layer on the clean MLP input it saw there (once: the output serves the splice and FVU,
@@ -72,6 +89,9 @@ def evaluate(
 
     sums: dict[str, float] = {}
     firing = {name: FiringTracker(layer.cfg.d_sae) for name, layer in named.items()}
+    usage = {name: torch.zeros(layer.cfg.d_sae, dtype=torch.long) for name, layer in named.items()}
+    jacobian: dict[str, list[torch.Tensor]] = {name: [] for name in named}
+    generator = torch.Generator().manual_seed(0)
     y_sum: dict[int, torch.Tensor] = {}  # Σ y and Σ ||y||² per block (float64), for FVU's variance
     y_sq: dict[int, float] = {}
     kept: list[tuple[dict[int, torch.Tensor], torch.Tensor]] = []  # residuals for the mean-ablation pass
@@ -102,10 +122,22 @@ def evaluate(
                 out = out.to(y.dtype)
                 _score(sums, f"splice:{name}", _run_from(model, resid, block, {block: out}), target, clean)
                 out, values, idx = out[:, skip:], values[:, skip:], idx[:, skip:]
-                _add(sums, f"sse:{name}", float((out - y[:, skip:]).double().pow(2).sum()))
-                _add(sums, f"l0:{name}", float((values > 0).sum()))
+                x_kept, y_kept = x[:, skip:], y[:, skip:]
+                _add(sums, f"sse:{name}", float((out - y_kept).double().pow(2).sum()))
+                active = values != 0
+                _add(sums, f"l0:{name}", float(active.sum()))
+                _add(sums, f"l0_positive:{name}", float((values > 0).sum()))
                 _add(sums, f"tokens:{name}", float(values.shape[0] * values.shape[1]))
+                _add(sums, f"effective:{name}", float(_effective_units(values).sum()))
+                top = values.abs().argmax(-1, keepdim=True)
+                top1 = layer.output_from_codes(x_kept, values.gather(-1, top), idx.gather(-1, top))
+                _add(sums, f"sse_top1:{name}", float((top1.to(y.dtype) - y_kept).double().pow(2).sum()))
+                usage[name] += torch.bincount(idx[active].reshape(-1).cpu(), minlength=layer.cfg.d_sae)
                 firing[name].update(values.cpu(), idx.cpu())
+                done = sum(t.numel() for t in jacobian[name])
+                if done < jacobian_tokens:
+                    xs = x_kept.reshape(-1, x.shape[-1])[: jacobian_tokens - done]
+                    jacobian[name].append(_jacobian(model, layer, block, xs, jacobian_directions, generator))
             if baselines:
                 for block in blocks:
                     zero = torch.zeros_like(io[block]["out"])
@@ -140,10 +172,18 @@ def evaluate(
         block = index[name]
         sst = y_sq[block] - n_tokens * float(y_sum[block].pow(2).sum()) / n_tokens**2  # Σ||y - ȳ||²
         row = _row(name, layer, block, sums, n_pred, ce_clean, f"splice:{name}", [block], baselines)
+        n = sums[f"tokens:{name}"]
+        train_metrics = (layer.cfg.metadata.training or {}).get("metrics") or {}
         row.update(
             fvu=sums[f"sse:{name}"] / max(sst, 1e-12),
-            l0=sums[f"l0:{name}"] / sums[f"tokens:{name}"],
-            dead_fraction=firing[name].dead_fraction(),  # never fired on these tokens (mxd_lens.firing)
+            l0=sums[f"l0:{name}"] / n,
+            l0_positive=sums[f"l0_positive:{name}"] / n,
+            always_on=int((usage[name] > 0.5 * n).sum()),
+            effective_units=sums[f"effective:{name}"] / n,
+            top1_fvu=sums[f"sse_top1:{name}"] / max(sst, 1e-12),
+            dead_fraction=firing[name].dead_fraction(),  # silent on these tokens (mxd_lens.firing)
+            train_dead_fraction=train_metrics.get("dead_fraction"),
+            jacobian_cos=float(torch.cat(jacobian[name]).mean()) if jacobian[name] else None,
         )
         row["explained_variance"] = 1 - row["fvu"]
         rows.append(row)
@@ -197,6 +237,32 @@ def _score(sums, label: str, logits: torch.Tensor, target: torch.Tensor, clean=N
     if clean is not None:
         clean_logp, clean_p = clean
         _add(sums, f"kl:{label}", float((clean_p * (clean_logp - logp)).sum()))
+
+
+def _effective_units(values: torch.Tensor) -> torch.Tensor:
+    """exp(entropy of |a| / Σ|a|) per token (0 where every code is 0)."""
+    weights = values.abs().double()
+    total = weights.sum(-1, keepdim=True)
+    p = weights / total.clamp_min(1e-300)
+    entropy = -(p * p.clamp_min(1e-300).log()).sum(-1)
+    return torch.where(total[..., 0] > 0, entropy.exp(), torch.zeros_like(entropy))
+
+
+def _jacobian(
+    model, layer: MLPReplacement, block: int, x: torch.Tensor, directions, generator
+) -> torch.Tensor:
+    """The per-token Jacobian cosine of ``layer`` against block ``block``'s MLP on inputs ``x`` [T, d_in]."""
+    mlp = hooks.mlp_module(model, block)
+    d_out = layer.cfg.d_out
+    with torch.inference_mode(False):
+        x = x.clone()  # out of inference mode, so autograd can record
+        return jacobian_cosine(
+            lambda v: layer(v.to(layer.dtype)),
+            lambda v: mlp(v[None])[0],
+            x,
+            None if directions is None or directions >= d_out else directions,
+            generator,
+        ).cpu()
 
 
 def _run_from(model, resid: Mapping[int, torch.Tensor], block: int, outputs: Mapping[int, torch.Tensor]):
@@ -317,7 +383,8 @@ def held_out_batches(
     return [torch.stack(held_out[i : i + batch_rows]) for i in range(0, len(held_out), batch_rows)]
 
 
-EVAL_METRICS = ("delta_ce", "kl", "fvu", "l0", "dead_fraction", "ce_recovered_zero", "ce_recovered_mean",
+EVAL_METRICS = ("delta_ce", "kl", "fvu", "l0", "l0_positive", "always_on", "effective_units", "top1_fvu",
+                "dead_fraction", "train_dead_fraction", "jacobian_cos", "ce_recovered_zero", "ce_recovered_mean",
                 "ce_clean", "ce_spliced", "ce_zero_ablation", "ce_mean_ablation", "tokens")  # fmt: skip
 
 

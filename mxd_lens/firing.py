@@ -1,6 +1,7 @@
 """When did each unit last fire, and which units are dead: one definition for training and evaluation.
 
-A unit (an MxD expert or a transcoder latent) *fires* on a token when its code there is > 0. The
+A unit (an MxD expert or a transcoder latent) *fires* on a token when its code there is non-zero (> 0
+for the ReLU'd codes; signed codes, MxD's ``gate="topk"``, fire when negative too). The
 tracker counts tokens; ``last_fired[n]`` is the token count at the end of the last batch in which unit
 n fired, 0 if it has not fired since counting began. A unit is **dead** when it has not fired in the
 last ``window`` tokens: ``last_fired <= tokens - window``. Before one window has passed nothing is dead;
@@ -21,7 +22,7 @@ class FiringTracker:
         """Record one batch of codes (values, indices [..., K]) covering ``n_tokens`` tokens (default:
         the leading size of the codes)."""
         self.tokens += int(values.reshape(-1, values.shape[-1]).shape[0] if n_tokens is None else n_tokens)
-        fired = indices[values > 0]
+        fired = indices[values != 0]
         self.last_fired[fired.to(self.last_fired.device)] = self.tokens
 
     def dead_mask(self, window: int | None = None) -> torch.Tensor:

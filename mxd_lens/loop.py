@@ -171,7 +171,7 @@ class TrainingLoop:
                     lr = self.lr_at(self.step)
                     for optimizer in self.optimizers():
                         for group in optimizer.param_groups:
-                            group["lr"] = lr
+                            group["lr"] = lr * group.get("lr_scale", 1.0)  # a learner's own rate
                     metrics = self.train_step(batch)
                     self.step += 1
                     bar.update(1)

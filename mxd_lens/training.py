@@ -75,9 +75,30 @@ class LearnerSpec:
     normalize_decoder: bool | None = (
         None  # None: the architecture's unit_norm_decoder (off for the skip transcoder)
     )
+    lr: float | None = None  # this learner's peak rate (None: the run's ``TrainConfig.lr``); same schedule
+    options: dict[str, Any] = field(default_factory=dict)
+    """config fields of the architecture, e.g. {"gate": "topk"} for MxD; ``arch`` may carry them as
+    ``"mxd:gate=topk,balance_rate=0.001"`` (``mxd_lens.layers.parse_arch``)"""
 
     def __post_init__(self) -> None:
-        get_architecture(self.arch)  # a clear error for an unknown key
+        from mxd_lens.layers import parse_arch
+
+        key, options = parse_arch(self.arch)
+        if options:
+            clash = sorted(set(options) & set(self.options))
+            if clash:
+                raise ValueError(f"{self.arch!r}: {clash} given twice (in the arch string and in options)")
+            self.arch, self.options = key, {**options, **self.options}
+        if self.lr is not None and not (isinstance(self.lr, (int, float)) and 0 < self.lr < float("inf")):
+            raise ValueError(f"{self.arch}: lr={self.lr!r} must be a positive number (None: the run's rate)")
+        layer_cls = get_architecture(self.arch)  # a clear error for an unknown key
+        allowed = _option_fields(layer_cls)
+        unknown = sorted(set(self.options) - allowed)
+        if unknown:
+            raise ValueError(
+                f"{self.arch}: {unknown} cannot be set as options; {layer_cls.config_class.__name__}'s "
+                f"options are {sorted(allowed) or 'none'}"
+            )
         if self.init == "mlp" and not issubclass(get_architecture(self.arch), MxD):
             raise ValueError(f"init='mlp' copies the host MLP into an MxD; {self.arch} has no such part")
 
@@ -85,7 +106,16 @@ class LearnerSpec:
     def name(self) -> str:
         init = "" if self.init == "default" else f".init-{self.init}"
         size = f"n{self.d_sae}" if self.d_sae is not None else f"m{self.width_multiplier}"
-        return f"L{self.block}.{self.arch}.k{self.k}.{size}{init}"
+        method = self.method.replace(":", "-").replace(",", "-")  # a folder name anywhere
+        lr = "" if self.lr is None else f".lr{self.lr:g}"
+        return f"L{self.block}.{method}.k{self.k}.{size}{lr}{init}"
+
+    @property
+    def method(self) -> str:
+        """The architecture key with its options, as ``parse_arch`` reads it: ``mxd``, ``mxd:gate=topk``."""
+        from mxd_lens.layers import format_arch
+
+        return format_arch(self.arch, self.options)
 
     @property
     def layer(self) -> int:
@@ -98,7 +128,15 @@ class LearnerSpec:
         from mxd_lens import hooks
 
         key = architecture_key(layer)
-        return cls(key, hooks.block_of(layer), layer.cfg.k, init="given", d_sae=layer.cfg.d_sae)
+        defaults = {f.name: f.default for f in dataclasses.fields(layer.cfg)}
+        options = {
+            name: getattr(layer.cfg, name)
+            for name in layer.cfg.variant_fields
+            if getattr(layer.cfg, name) != defaults[name]
+        }
+        return cls(
+            key, hooks.block_of(layer), layer.cfg.k, init="given", d_sae=layer.cfg.d_sae, options=options
+        )
 
     @property
     def normalizes_decoder(self) -> bool:
@@ -129,7 +167,7 @@ def build_layer(
     )
     torch.manual_seed(seed)
     layer_cls = get_architecture(spec.arch)
-    cfg = layer_cls.config_for_stream(info, width, **common)
+    cfg = layer_cls.config_for_stream(info, width, **common, **spec.options)
     if spec.d_sae is not None:
         cfg = dataclasses.replace(cfg, d_sae=spec.d_sae)
     return layer_cls(cfg)
@@ -212,7 +250,14 @@ class Trainer(TrainingLoop):
                     raise ValueError(f"{spec.name}: init='mlp' needs the model")
                 layer.copy_hidden_from_mlp(model, spec.block)  # rescaled once the scales are known
             # The fused Adam kernel is ~5x faster on CPU for tens of millions of parameters.
-            optimizer = torch.optim.Adam(layer.parameters(), lr=self.lr_at(0), betas=config.betas, fused=True)
+            # lr_scale: the learner's own rate relative to the run's, applied by the loop at every step
+            scale = 1.0 if spec.lr is None else spec.lr / config.lr
+            optimizer = torch.optim.Adam(
+                [{"params": list(layer.parameters()), "lr_scale": scale}],
+                lr=self.lr_at(0) * scale,
+                betas=config.betas,
+                fused=True,
+            )
             self.learners[spec.name] = _Learner(
                 spec, layer, optimizer, FiringTracker(layer.cfg.d_sae, device)
             )
@@ -400,6 +445,7 @@ class Trainer(TrainingLoop):
         if learner.spec.normalizes_decoder:
             _normalize_rows(layer.W_dec)
         with torch.no_grad():
+            metrics.update(layer.after_step(out.values.detach(), out.indices))  # e.g. MxD's usage controller
             learner.firing.update(out.values, out.indices, n_tokens=self.config.batch_tokens)
             if self.world > 1:
                 dist.all_reduce(learner.firing.last_fired, op=dist.ReduceOp.MAX)
@@ -448,6 +494,8 @@ class Trainer(TrainingLoop):
         for spec in (saved.get("learners") or {}).values():  # written before LearnerSpec.layer became block
             if "layer" in spec and "block" not in spec:
                 spec["block"] = spec.pop("layer")
+            spec.setdefault("options", {})  # written before LearnerSpec.options
+            spec.setdefault("lr", None)  # and LearnerSpec.lr
         return saved
 
     def write_state(self, folder: Path) -> None:
@@ -550,6 +598,15 @@ class Trainer(TrainingLoop):
             json.dumps({name: learner.history for name, learner in self.learners.items()}, indent=1),
         )
         return paths
+
+
+def _option_fields(layer_cls: type) -> set[str]:
+    """The fields an architecture adds to LayerConfig: what LearnerSpec.options may set."""
+    from mxd_lens.layers import LayerConfig
+
+    return {f.name for f in dataclasses.fields(layer_cls.config_class)} - {
+        f.name for f in dataclasses.fields(LayerConfig)
+    }
 
 
 def _version() -> str:

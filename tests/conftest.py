@@ -145,7 +145,8 @@ def dense_reference(layer, x: torch.Tensor) -> torch.Tensor:
     """A layer's output written out from the method's equations, with dense [T, N] codes, torch.topk
     and plain autograd, sharing no code with the layers (the test oracle):
 
-        codes = TopK_K(ReLU(x W_enc + b_enc))                 (the K largest pre-activations, ReLU'd)
+        codes = TopK_K(ReLU(x W_enc + b_enc))                 (the K largest pre-activations, ReLU'd;
+                                                               not ReLU'd for MxD's gate="topk")
         TopK transcoder   codes W_dec + b_dec   (+ x W_skip for the skip transcoder)
         MxD               (z D) * (codes C) + b,  z = phi(x E + b_E) or psi(x E_g + b_g) * (x E + b_E)
     """
@@ -157,7 +158,8 @@ def dense_reference(layer, x: torch.Tensor) -> torch.Tensor:
     x = x.reshape(-1, x.shape[-1]).to(layer.W_enc.dtype)
     pre = x @ layer.W_enc + layer.b_enc
     top = pre.topk(layer.cfg.k, dim=-1)
-    codes = torch.zeros_like(pre).scatter(-1, top.indices, torch.relu(top.values))
+    signed = getattr(layer.cfg, "gate", "relu_topk") == "topk"  # MxD's plain TopK gate: no ReLU
+    codes = torch.zeros_like(pre).scatter(-1, top.indices, top.values if signed else torch.relu(top.values))
     mixture = codes @ layer.W_dec
     if isinstance(layer, MxD):
         phi = {

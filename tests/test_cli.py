@@ -115,10 +115,14 @@ def test_demo_runs_end_to_end(tmp_path, text_model, capsys):
     out = capsys.readouterr().out
     assert "| MxD " in out and "| Transcoder " in out and "K = 2, 1,280 training tokens (2 epochs)" in out
     assert (tmp_path / "demo" / "frontier.png").exists()
-    rows = pd.read_csv(tmp_path / "demo" / "frontier.csv").sort_values("delta_ce")
+    rows = pd.read_csv(tmp_path / "demo" / "frontier.csv").sort_values("kl")
     best = rows.iloc[0]
-    assert f"{best['method']} raised the held-out loss least: ΔCE {best['delta_ce']:+.4f}" in out
-    assert f"zero-ablation) gives {best['ce_zero_ablation'] - best['ce_clean']:+.4f}" in out
+    assert (
+        f"{best['label']} stays closest to the model: KL(clean ‖ spliced) {best['label']} {best['kl']:.4f}"
+        in out
+    )
+    assert f"{best['label']} {best['delta_ce']:+.4f}" in out
+    assert f"deleting the MLP gives {best['ce_zero_ablation'] - best['ce_clean']:+.4f}" in out
     assert "smoke test" in out and re.search(rf"\|\s+{int(best['params']):,}\s+\|", out)
     assert sorted(
         p.name for p in (tmp_path / "demo" / "runs" / "L1.seed0" / "final").iterdir() if p.is_dir()

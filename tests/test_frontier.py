@@ -31,8 +31,13 @@ def test_frontier_trains_evaluates_and_writes_everything(tmp_path):
     )
     rows = run_frontier(model, config, tmp_path / "out", progress=False)
     assert sorted((r["method"], r["k"]) for r in rows) == [
-        (m, k) for m in ("MxD", "Skip transcoder", "Transcoder") for k in (2, 4)
+        (m, k) for m in ("mxd", "skip_transcoder", "transcoder") for k in (2, 4)
     ]
+    assert {r["label"] for r in rows} == {
+        "MxD",
+        "Skip transcoder",
+        "Transcoder",
+    }  # rows carry keys, and labels
     for row in rows:
         assert row["train_tokens"] == 64 * 12 and row["model"] == "tiny-gated"
         assert row["l0"] <= row["k"] and row["tokens"] >= 200 - 20
@@ -43,7 +48,7 @@ def test_frontier_trains_evaluates_and_writes_everything(tmp_path):
     assert (tmp_path / "out" / "frontier.png").stat().st_size > 10_000
     # Parameter-matched: the MxD and the transcoder have (nearly) the same size.
     params = {r["method"]: r["params"] for r in rows if r["k"] == 2}
-    assert abs(params["MxD"] - params["Transcoder"]) / params["Transcoder"] < 0.02
+    assert abs(params["mxd"] - params["transcoder"]) / params["transcoder"] < 0.02
     weights = SAE.load_from_disk(tmp_path / "out" / "runs" / "L1.seed0" / "final" / rows[0]["name"])
     assert rows[0]["weights"] == str(tmp_path / "out" / "runs" / "L1.seed0" / "final" / rows[0]["name"])
     assert weights.cfg.metadata.training["data"]["split"] == "train"
@@ -74,13 +79,13 @@ def test_frontier_grid_seeds_and_other_eval_text(tmp_path):
     assert config.learners() == [(1, 2, 0), (1, 2, 1), (0, 2, 0)] and config.all_blocks == [0, 1]
     rows = run_frontier(model, config, tmp_path / "out", progress=False)
     assert sorted((r["block"], r["seed"], r["method"]) for r in rows) == [
-        (0, 0, "MxD"), (0, 0, "Transcoder"), (1, 0, "MxD"), (1, 0, "Transcoder"),
-        (1, 1, "MxD"), (1, 1, "Transcoder"),
+        (0, 0, "mxd"), (0, 0, "transcoder"), (1, 0, "mxd"), (1, 0, "transcoder"),
+        (1, 1, "mxd"), (1, 1, "transcoder"),
     ]  # fmt: skip
     by = {(r["block"], r["seed"], r["method"]): r for r in rows}
-    a = SAE.load_from_disk(by[(1, 0, "MxD")]["weights"])
-    b = SAE.load_from_disk(by[(1, 1, "MxD")]["weights"])
-    assert "L1.seed1" in by[(1, 1, "MxD")]["weights"] and not torch.equal(a.W_enc, b.W_enc)
+    a = SAE.load_from_disk(by[(1, 0, "mxd")]["weights"])
+    b = SAE.load_from_disk(by[(1, 1, "mxd")]["weights"])
+    assert "L1.seed1" in by[(1, 1, "mxd")]["weights"] and not torch.equal(a.W_enc, b.W_enc)
     assert all(r["ce_clean"] == rows[0]["ce_clean"] for r in rows)  # every group on the same held-out batches
     fig = plot_frontier(pd.DataFrame(rows))
     assert len(fig.axes) == 6  # ΔCE, KL and FVU for each of the two blocks
@@ -104,7 +109,7 @@ def test_summary_means_over_seeds_and_compares_with_the_transcoder(tmp_path):
     from mxd_lens.analysis.frontier import load_results, summarize, summary_markdown
 
     rows = []
-    # run_frontier writes the label ("MxD"); the summary keys by architecture ("mxd"); both are read
+    # run_frontier writes the key ("mxd"); rows written before then hold the label ("MxD"); both are read
     for method, base in (("MxD", 0.01), ("Transcoder", 0.04), ("skip_transcoder", 0.02)):
         for seed in (0, 1):
             rows.append(dict(method=method, layer=15, k=32, seed=seed, delta_ce=base + 0.002 * seed, kl=base / 2,
@@ -149,3 +154,58 @@ def test_summary_means_over_seeds_and_compares_with_the_transcoder(tmp_path):
     assert clip_column[:3] == ["off", "mixed", "off"]  # block 5 mxd; block 15 mxd: seed 0 clipped, 1 not
     with pytest.raises(FileNotFoundError, match="no frontier results"):
         load_results(tmp_path / "missing")
+
+
+def test_frontier_variants_rates_and_out_of_domain_text(tmp_path):
+    """An architecture with options is a method of its own; arch_lr gives each its rate (the learner's
+    optimiser runs at it, on the shared schedule); ood_text adds a second evaluation to every row."""
+    model, corpus = make_text_model(tmp_path)
+    other = tmp_path / "other.txt"
+    other.write_text("\n\n".join(" ".join(d.split()[::-1]) for d in corpus.read_text().split("\n\n")[:80]))
+    config = FrontierConfig(
+        text=str(corpus),
+        blocks=[1],
+        ks=[2],
+        archs=["mxd", "mxd:gate=topk", "transcoder"],
+        arch_lr=["transcoder=0.004", "mxd:gate=topk=0.001"],
+        ood_text=str(other),
+        ood_eval_tokens=96,
+        train_tokens=64 * 6,
+        eval_tokens=120,
+        context_size=12,
+        batch_tokens=64,
+        lr=2e-3,
+        rows_per_block=16,
+        eval_fraction=0.1,
+    )
+    rows = {r["method"]: r for r in run_frontier(model, config, tmp_path / "out", progress=False)}
+    assert set(rows) == {"mxd", "mxd:gate=topk", "transcoder"}
+    assert rows["mxd:gate=topk"]["label"] == "MxD (gate=topk)"
+    assert (rows["mxd"]["lr"], rows["mxd:gate=topk"]["lr"], rows["transcoder"]["lr"]) == (2e-3, 1e-3, 4e-3)
+    assert SAE.load_from_disk(rows["mxd:gate=topk"]["weights"]).cfg.gate == "topk"
+    assert rows["mxd:gate=topk"]["l0"] == 2  # the signed gate: every selected code is active
+    for row in rows.values():
+        assert row["ood_tokens"] >= 96 - 12 and row["ood_kl"] >= 0 and row["ood_kl"] != row["kl"]
+        assert 0 < row["ood_fvu"] and -1 <= row["ood_jacobian_cos"] <= 1
+    with pytest.raises(ValueError, match="write ARCH=LR"):
+        dataclasses.replace(config, arch_lr=["mxd:0.001"])
+    with pytest.raises(ValueError, match="not in archs"):
+        dataclasses.replace(config, arch_lr=["skip_transcoder=0.001"])
+
+
+def test_each_learner_runs_at_its_own_rate_on_the_shared_schedule(tmp_path):
+    from mxd_lens.activations import CachedActivations, ModelActivations, StreamConfig, write_cache
+    from mxd_lens.training import LearnerSpec, TrainConfig, Trainer
+
+    model, corpus = make_text_model(tmp_path)
+    stream = ModelActivations.from_config(model, [1], StreamConfig(text=str(corpus), context_size=12,
+                                                                   rows_per_block=16))  # fmt: skip
+    write_cache(stream, tmp_path / "cache", n_blocks=2, progress=False)
+    specs = [LearnerSpec("transcoder", 1, 2, 8), LearnerSpec("transcoder", 1, 2, 8, lr=5e-4)]
+    config = TrainConfig(total_tokens=64 * 4, batch_tokens=64, lr=2e-3, log_every=1, checkpoint_every=1000)
+    trainer = Trainer(specs, CachedActivations(tmp_path / "cache"), config, progress=False)
+    trainer.fit()
+    base, own = (trainer.learners[s.name].optimizer.param_groups[0]["lr"] for s in specs)
+    assert specs[1].name.endswith(".lr0.0005") and own == pytest.approx(base / 4)
+    history = [trainer.learners[s.name].history for s in specs]
+    assert [h["lr"] for h in history[0]] == [h["lr"] for h in history[1]]  # the run's schedule, logged

@@ -32,9 +32,9 @@ import torch
 from mxd_lens import data
 from mxd_lens.activations import MANIFEST, CachedActivations, ModelActivations, StreamConfig, write_cache
 from mxd_lens.config import FrontierConfig  # noqa: F401 (re-exported)
-from mxd_lens.evaluation import check_disjoint, evaluate
+from mxd_lens.evaluation import check_disjoint, evaluate, held_out_batches
 from mxd_lens.fileio import atomic_write_text
-from mxd_lens.layers import get_architecture
+from mxd_lens.layers import arch_label
 from mxd_lens.training import LearnerSpec, Trainer
 
 log = logging.getLogger(__name__)
@@ -42,8 +42,6 @@ log = logging.getLogger(__name__)
 
 def eval_batches(model: Any, config: FrontierConfig) -> list[torch.Tensor]:
     """Held-out [rows, context] token batches: the 'eval' side of the split, ``eval_tokens`` in all."""
-    from mxd_lens.evaluation import held_out_batches
-
     if config.eval_text is not None:
         return held_out_batches(model, config.eval_text, "all", config.eval_tokens, config.context_size,
                                 config.eval_batch_rows)  # fmt: skip
@@ -95,16 +93,22 @@ def run_frontier(
     eval_key = {
         "model": model.cfg.model_name,
         **{k: getattr(config, k) for k in ("eval_text", "eval_tokens", "context_size", "eval_batch_rows")},
+        **(
+            {"ood_text": config.ood_text, "ood_eval_tokens": config.ood_eval_tokens}
+            if config.ood_text
+            else {}
+        ),
         **({} if config.eval_text else {k: text_info[k] for k in ("text", "eval_fraction", "split_seed")}),
     }
     batches: list[torch.Tensor] | None = None
+    ood_batches: list[torch.Tensor] | None = None
     rows_out: list[dict[str, Any]] = []
     # One Trainer per (block, seed), in the order the config names them (so the first block's layers
     # are trained and evaluated first); each group's evaluation is kept beside its weights.
     groups = list(dict.fromkeys((block, seed) for block, _, seed in config.learners()))
     for block, seed in groups:
         specs = [
-            LearnerSpec(arch, block, k, config.width_multiplier)
+            LearnerSpec(arch, block, k, config.width_multiplier, lr=config.lr_of(arch))
             for b, k, s in config.learners()
             if (b, s) == (block, seed)
             for arch in config.archs
@@ -130,15 +134,24 @@ def run_frontier(
         if batches is None:
             batches = eval_batches(model, config)
         rows = evaluate(model, layers, batches, progress=progress)
+        if config.ood_text is not None:
+            if ood_batches is None:
+                ood_batches = held_out_batches(model, config.ood_text, "all",
+                                               config.ood_eval_tokens or config.eval_tokens,
+                                               config.context_size, config.eval_batch_rows)  # fmt: skip
+            for row, ood in zip(rows, evaluate(model, layers, ood_batches, progress=progress), strict=True):
+                row.update({f"ood_{key}": value for key, value in ood.items() if key not in _IDENTITY})
         for row in rows:
             spec = trainer.learners[row["name"]].spec
             row.update(
-                method=get_architecture(spec.arch).label,
+                method=spec.method,  # the architecture key with its options: "mxd", "mxd:gate=topk"
+                label=arch_label(spec.method),
                 seed=seed,
                 width_multiplier=spec.width_multiplier,
                 train_tokens=trainer.tokens_seen,
                 train_fvu=train_metrics[row["name"]]["fvu"],
                 train_dead_fraction=train_metrics[row["name"]].get("dead_fraction"),
+                lr=spec.lr if spec.lr is not None else train_config.lr,
                 grad_clip=train_config.grad_clip,
                 weights=str(folder / "final" / row["name"]),
                 model=model.cfg.model_name,
@@ -150,6 +163,9 @@ def run_frontier(
         rows_out += rows
         write_results(rows_out, config, out)
     return rows_out
+
+
+_IDENTITY = ("name", "architecture", "block", "k", "d_sae", "params")  # not metrics: not repeated as ood_*
 
 
 def write_results(rows: list[dict[str, Any]], config: FrontierConfig, out: Path) -> None:
@@ -202,7 +218,7 @@ def _read_results(path: Path) -> Any:
     # rows name the method by its label ("MxD"); the summary keys it by architecture ("mxd")
     from mxd_lens.layers import ARCHITECTURES
 
-    keys = {cls.label: key for key, cls in ARCHITECTURES.items()}
+    keys = {cls.label: key for key, cls in ARCHITECTURES.items()}  # rows written before keys were
     table["method"] = table["method"].map(lambda m: keys.get(m, m))
     if "grad_clip" not in table:  # rows written before it was recorded per row: the study's setting
         table["grad_clip"] = (record.get("train_config") or {}).get("grad_clip")
@@ -295,8 +311,6 @@ def plot_frontier(table: Any, path: Path | None = None) -> Any:
     decades; a diverged layer would flatten a linear axis). Returns the Figure (saved to ``path``)."""
     from matplotlib.figure import Figure
 
-    from mxd_lens.layers import ARCHITECTURES
-
     panels = (
         ("delta_ce", "ΔCE (nats/token) when spliced", "linear"),
         ("kl", "KL(clean ‖ spliced) per token", "log"),
@@ -308,7 +322,7 @@ def plot_frontier(table: Any, path: Path | None = None) -> Any:
     ks = sorted(table["k"].unique())
     for col, block in enumerate(blocks):
         for method, group in table[table["block"] == block].groupby("method"):
-            label = ARCHITECTURES[method].label if method in ARCHITECTURES else method
+            label = arch_label(method)
             for row, (column, _, _) in enumerate(panels):
                 stats = group.groupby("k")[column].agg(["mean", "min", "max"]).sort_index()
                 err = [stats["mean"] - stats["min"], stats["max"] - stats["mean"]]

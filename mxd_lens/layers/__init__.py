@@ -9,8 +9,11 @@ from mxd_lens.layers.base import LayerConfig, MLPReplacement  # noqa: F401
 from mxd_lens.layers.mxd import MxD, MxDConfig  # noqa: F401
 from mxd_lens.layers.registry import (  # noqa: F401
     ARCHITECTURES,
+    arch_label,
     architecture_key,
+    format_arch,
     get_architecture,
+    parse_arch,
     register_architecture,
 )
 from mxd_lens.layers.transcoder import (  # noqa: F401

@@ -37,6 +37,8 @@ class LayerConfig(SAEConfig):
     d_out: int = 0
     k: int = 32
     apply_b_dec_to_input: bool = False
+    # fields that make a variant of the architecture (MxD's gate): shown in learner names and labels
+    variant_fields: ClassVar[tuple[str, ...]] = ()
 
     @classmethod
     def architecture(cls) -> str:  # pragma: no cover - abstract in spirit
@@ -155,6 +157,20 @@ class MLPReplacement(SAE[C]):
         self.b_dec = nn.Parameter(torch.zeros(cfg.d_out, **kw))
 
     # -- what subclasses provide ---------------------------------------------------------------
+    @property
+    def relu_codes(self) -> bool:
+        """True when the codes are TopK(ReLU(x W_enc + b_enc)) (non-negative; every built-in layer by
+        default); False for a plain TopK of x W_enc + b_enc, whose codes are signed (MxD's
+        ``gate="topk"``). A unit is *active* on a token where its code is non-zero."""
+        return True
+
+    @torch.no_grad()
+    def after_step(self, values: torch.Tensor, indices: torch.Tensor) -> dict[str, float]:
+        """Called by the trainer after each optimiser step with that step's codes (values, indices
+        [T, K]), outside the gradient: where a layer adjusts state that no loss trains (MxD's usage
+        controller). Returns metrics to log (none by default)."""
+        return {}
+
     def _decode_context(self, x: torch.Tensor) -> Any:
         """What decode needs from the input x [T, d_in] besides the codes."""
         return None
@@ -174,13 +190,16 @@ class MLPReplacement(SAE[C]):
         return self.hook_sae_input(sae_in)
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:
-        """Dense codes [..., d_sae] with at most K non-zeros: TopK_K(ReLU(x W_enc + b_enc))."""
+        """Dense codes [..., d_sae] with at most K non-zeros: TopK_K(ReLU(x W_enc + b_enc)) (without the
+        ReLU where ``relu_codes`` is False)."""
         x = self.process_sae_in(x)
         lead, x2 = x.shape[:-1], x.reshape(-1, self.cfg.d_in)
         pre = torch.addmm(self.b_enc, x2, self.W_enc).reshape(*lead, self.cfg.d_sae)
         pre = self.hook_sae_acts_pre(pre)
         values, indices = pre.topk(self.cfg.k, dim=-1, sorted=True)
-        codes = torch.zeros_like(pre).scatter(-1, indices, values.clamp_min(0.0))
+        codes = torch.zeros_like(pre).scatter(
+            -1, indices, values.clamp_min(0.0) if self.relu_codes else values
+        )
         out = self.hook_sae_acts_post(codes)
         self._stash = _Stash(
             lead_shape=lead,
@@ -260,7 +279,7 @@ class MLPReplacement(SAE[C]):
         what a trainer needs (the output and which units fired), without the code hook points."""
         x = self.process_sae_in(x)
         lead, x2 = x.shape[:-1], x.reshape(-1, self.cfg.d_in)
-        values, indices = ops.topk_encode(x2, self.W_enc, self.b_enc, self.cfg.k)[:2]
+        values, indices = ops.topk_encode(x2, self.W_enc, self.b_enc, self.cfg.k, relu=self.relu_codes)[:2]
         mixture = ops.decode_rows(values, indices, self.W_dec)
         out = self._output(mixture, self._decode_context(x2))
         k = self.cfg.k
@@ -269,8 +288,18 @@ class MLPReplacement(SAE[C]):
     def encode_sparse(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The codes as (values [..., K], indices [..., K]), values sorted descending."""
         x = self.process_sae_in(x)
-        values, indices = ops.topk_encode(x, self.W_enc, self.b_enc, self.cfg.k)[:2]
+        values, indices = ops.topk_encode(x, self.W_enc, self.b_enc, self.cfg.k, relu=self.relu_codes)[:2]
         return values, indices
+
+    def output_from_codes(self, x: torch.Tensor, values: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        """The output [..., d_out] for sparse codes (values, indices [..., k'], any k') on input x
+        [..., d_in]: e.g. each token's largest code alone (``evaluate``'s top-1 FVU)."""
+        x = self.process_sae_in(x)
+        lead, x2 = x.shape[:-1], x.reshape(-1, self.cfg.d_in)
+        k = values.shape[-1]
+        mixture = ops.decode_rows(values.reshape(-1, k), indices.reshape(-1, k), self.W_dec)
+        context = self._decode_context(x2) if self.needs_decode_context else None
+        return self._output(mixture, context).reshape(*lead, self.cfg.d_out)
 
     # -- training ----------------------------------------------------------------------------------
     def training_forward_pass(
@@ -304,7 +333,13 @@ class MLPReplacement(SAE[C]):
         n_dead = int(dead_mask.sum()) if dead_mask is not None else 0
         use_aux = aux_coefficient > 0 and k_aux > 0 and n_dead > 0
         enc = ops.topk_encode(
-            x2, self.W_enc, self.b_enc, self.cfg.k, dead_mask if use_aux else None, k_aux if use_aux else 0
+            x2,
+            self.W_enc,
+            self.b_enc,
+            self.cfg.k,
+            dead_mask if use_aux else None,
+            k_aux if use_aux else 0,
+            relu=self.relu_codes,
         )
         context = self._decode_context(x2)
         out = self._output(ops.decode_rows(enc.values, enc.indices, self.W_dec), context)
@@ -328,7 +363,7 @@ class MLPReplacement(SAE[C]):
             metrics = {
                 "loss": float(loss),
                 "fvu": float(sq.sum() / total_var),
-                "l0": float((enc.values > 0).sum(-1).float().mean()),
+                "l0": float((enc.values != 0).sum(-1).float().mean()),
                 **({"auxk": float(losses["auxk"])} if use_aux else {}),
             }
         return TrainStepOutput(out, enc.values, enc.indices, loss, losses, metrics)
@@ -362,7 +397,7 @@ class MLPReplacement(SAE[C]):
         For tests and benchmarks; slow at real widths."""
         x = self.process_sae_in(x)
         lead, x2 = x.shape[:-1], x.reshape(-1, self.cfg.d_in)
-        codes = ops.topk_encode_dense(x2, self.W_enc, self.b_enc, self.cfg.k)
+        codes = ops.topk_encode_dense(x2, self.W_enc, self.b_enc, self.cfg.k, relu=self.relu_codes)
         out = self._output(ops.decode_dense(codes, self.W_dec), self._decode_context(x2))
         return out.reshape(*lead, self.cfg.d_out)
 

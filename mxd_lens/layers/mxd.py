@@ -2,18 +2,32 @@
 
     z = phi(x E + b_E)                                   MLP form, dense, phi = the host's activation
     z = psi(x E_gate + b_gate) * (x E + b_E)             GLU form (Llama, Gemma, SmolLM, Qwen)
-    a = TopK_K(ReLU(x G + b_G))                          N expert coefficients: the codes
+    a = TopK_K(ReLU(x G + b_G))                          N expert coefficients: the codes (gate "relu_topk")
+    a = TopK_K(x G + b_G)                                signed codes (gate "topk")
     y = (z D) * (a C) + b  =  sum_n a_n (D diag(c_n))^T z + b
 
 Expert n is the full-rank linear map W_n = D diag(c_n) [d_hidden, d_out]. Parameter names:
 E = ``W_in``, b_E = ``b_in``, E_gate = ``W_in_gate``, b_gate = ``b_in_gate``, D = ``W_out``,
 G = ``W_enc``, b_G = ``b_enc``, C = ``W_dec``, b = ``b_dec`` (SAELens's names where they apply).
+
+Why the gate matters (measured, docs/results.md): z D has the host MLP's form and width, so it can fit
+the target with one always-on expert; the experts then act as a per-token gain, and with a ReLU before
+the TopK an expert pushed below zero on a token gets no gradient there. The paper's gate
+(``relu_topk``) decays to about a dozen always-on experts and an L0 far below K. Two remedies, each an
+option that leaves the equations as they are at inference:
+
+- ``gate="topk"``: no ReLU. Every selected code is non-zero (signed) and passes its gradient.
+- ``balance_rate`` > 0: the auxiliary-loss-free load balancing of MoE routers (Wang et al. 2024,
+  DeepSeek-V3): after each optimiser step, outside the gradient, b_G[n] += rate * sign(target - u_n),
+  with u_n the fraction of the step's tokens on which expert n is active (non-zero code) and the
+  target ``balance_target`` (default K / N: every expert on equally often). An expert used too often
+  is made harder to select, a dead one easier, and (with the ReLU) a pushed-out one positive again.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import torch
 from torch import nn
@@ -32,6 +46,10 @@ class MxDConfig(LayerConfig):
     d_hidden: int = 0
     activation: str = "gelu"
     hidden_form: Literal["mlp", "glu"] = "mlp"
+    gate: Literal["relu_topk", "topk"] = "relu_topk"  # layers saved before the option load as "relu_topk"
+    balance_rate: float = 0.0  # the usage controller's step on b_G per optimiser step (0: off)
+    balance_target: float | None = None  # each expert's target fraction of tokens, in (0, 1]; None: K / N
+    variant_fields: ClassVar[tuple[str, ...]] = ("gate", "balance_rate", "balance_target")
 
     @classmethod
     def architecture(cls) -> str:
@@ -45,11 +63,36 @@ class MxDConfig(LayerConfig):
         get_activation(self.activation)
         if self.hidden_form not in ("mlp", "glu"):
             raise ValueError(f"MxDConfig.hidden_form must be 'mlp' or 'glu', got {self.hidden_form!r}")
+        if self.gate not in GATES:
+            raise ValueError(
+                f"MxDConfig.gate {self.gate!r} is unknown: choose {' or '.join(map(repr, GATES))} "
+                "(relu_topk: the paper's TopK(ReLU(x G + b_G)); topk: TopK(x G + b_G), signed codes)"
+            )
+        if not (isinstance(self.balance_rate, (int, float)) and 0 <= self.balance_rate < float("inf")):
+            raise ValueError(
+                f"MxDConfig.balance_rate must be a finite number >= 0 (0 turns the usage controller off), "
+                f"got {self.balance_rate!r}"
+            )
+        if self.balance_target is not None and not (
+            isinstance(self.balance_target, (int, float)) and 0 < self.balance_target <= 1
+        ):
+            raise ValueError(
+                f"MxDConfig.balance_target must be a fraction of tokens in (0, 1] (or None for K / N), "
+                f"got {self.balance_target!r}"
+            )
         super().__post_init__()
 
     @property
     def n_experts(self) -> int:
         return self.d_sae
+
+    @property
+    def usage_target(self) -> float:
+        """The fraction of tokens the usage controller steers each expert toward."""
+        return self.balance_target if self.balance_target is not None else self.k / self.d_sae
+
+
+GATES = ("relu_topk", "topk")
 
 
 class MxD(MLPReplacement[MxDConfig]):
@@ -78,6 +121,30 @@ class MxD(MLPReplacement[MxDConfig]):
         self.W_out = nn.Parameter(torch.zeros(cfg.d_hidden, cfg.d_out, **kw))
         # G as nn.Linear; C with unit-norm rows (the a_n * c_n scale symmetry makes this free).
         self._init_dictionary()
+
+    @property
+    def relu_codes(self) -> bool:
+        return self.cfg.gate == "relu_topk"
+
+    @torch.no_grad()
+    def after_step(self, values: torch.Tensor, indices: torch.Tensor) -> dict[str, float]:
+        """The usage controller (``balance_rate`` > 0): b_G[n] += rate * sign(target - u_n), u_n the
+        fraction of these tokens on which expert n is active. Under torch.distributed the counts are
+        summed over ranks, so every rank applies the same step. Logs the step's largest usage
+        (``usage_max``) and the fraction of experts off on every token of it (``usage_off``)."""
+        if self.cfg.balance_rate <= 0:
+            return {}
+        import torch.distributed as dist
+
+        active = indices[values != 0]
+        counts = torch.bincount(active.reshape(-1), minlength=self.cfg.d_sae).to(self.b_enc.dtype)
+        tokens = torch.tensor(float(values.reshape(-1, values.shape[-1]).shape[0]), device=counts.device)
+        if dist.is_initialized():
+            dist.all_reduce(counts)
+            dist.all_reduce(tokens)
+        usage = counts / tokens
+        self.b_enc.add_(torch.sign(self.cfg.usage_target - usage), alpha=self.cfg.balance_rate)
+        return {"usage_max": float(usage.max()), "usage_off": float((usage == 0).float().mean())}
 
     def hidden(self, x: torch.Tensor) -> torch.Tensor:
         """z [..., d_hidden]: the dense hidden layer, phi(x E + b_E) or its GLU form."""
@@ -110,17 +177,16 @@ class MxD(MLPReplacement[MxDConfig]):
     @classmethod
     def config_for_stream(cls, info: Any, width: int, **common: Any) -> MxDConfig:
         """The experts that cost as many parameters as a ``width``-latent transcoder (``match_experts``),
-        over a hidden layer as wide as the host's, in its form (GLU for gated hosts)."""
+        over a hidden layer as wide as the host's (or ``d_hidden`` in ``common``: then N grows to keep
+        the parameters matched), in its form (GLU for gated hosts); other ``common`` fields (``gate``,
+        ``balance_rate``) pass through."""
         from mxd_lens.matching import match_experts
 
-        n = match_experts(width, info.d_in, info.d_out, info.d_hidden, glu=info.gated)
-        return MxDConfig(
-            d_sae=n,
-            d_hidden=info.d_hidden,
-            activation=info.activation,
-            hidden_form="glu" if info.gated else "mlp",
-            **common,
-        )
+        d_hidden = common.pop("d_hidden", info.d_hidden)  # a narrower dense path gets more experts
+        n = match_experts(width, info.d_in, info.d_out, d_hidden, glu=info.gated)
+        common.setdefault("activation", info.activation)
+        common.setdefault("hidden_form", "glu" if info.gated else "mlp")
+        return MxDConfig(d_sae=n, d_hidden=d_hidden, **common)
 
     @classmethod
     def _model_defaults(cls, model: HookedTransformer) -> dict[str, object]:

@@ -23,14 +23,15 @@ class EncoderOutput(NamedTuple):
     ``k_aux`` largest pre-activations among the units an ``aux_mask`` allows (the dead ones, for AuxK),
     taken from the same ``x W + b`` so AuxK costs no second [T, N] matmul."""
 
-    values: torch.Tensor  # [..., K] ReLU'd, sorted descending
+    values: torch.Tensor  # [..., K] ReLU'd (signed with ``relu=False``), sorted descending
     indices: torch.Tensor  # [..., K]
     aux_values: torch.Tensor  # [..., k_aux] ReLU'd, straight-through gradient; [..., 0] without an aux_mask
     aux_indices: torch.Tensor  # [..., k_aux], disjoint from ``indices`` in every row
 
 
 class _TopKEncode(torch.autograd.Function):
-    """values, indices (and the AuxK selection) = TopK(ReLU(x W + b)).
+    """values, indices (and the AuxK selection) = TopK(ReLU(x W + b)), or with ``relu=False`` the plain
+    TopK(x W + b): signed codes, every selected code passing its gradient (MxD's ``gate="topk"``).
 
     Forward is one dense matmul (x W is the irreducible cost of a gate over N units). Backward
     uses only the selected columns per token (K, plus k_aux with AuxK): dW = x^T S and db = colsum(S)
@@ -44,23 +45,34 @@ class _TopKEncode(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, W: torch.Tensor, b: torch.Tensor, k: int, aux_mask, k_aux: int):
+    def forward(
+        ctx,
+        x: torch.Tensor,
+        W: torch.Tensor,
+        b: torch.Tensor,
+        k: int,
+        aux_mask,
+        k_aux: int,
+        relu: bool = True,
+    ):
         pre = torch.addmm(b, x, W)
         values, indices = pre.topk(k, dim=-1, sorted=True)
-        values = values.clamp_min(0.0)
+        if relu:
+            values = values.clamp_min(0.0)
         if aux_mask is not None and k_aux > 0:
             candidates = pre.masked_fill(~aux_mask, float("-inf")).scatter_(-1, indices, float("-inf"))
             aux_values, aux_indices = candidates.topk(k_aux, dim=-1, sorted=True)
             # -inf (fewer candidates than k_aux) becomes 0 with no gradient
             aux_valid = torch.isfinite(aux_values)
-            aux_values = torch.where(aux_valid, aux_values.clamp_min(0.0), torch.zeros_like(aux_values))
+            kept = aux_values.clamp_min(0.0) if relu else aux_values
+            aux_values = torch.where(aux_valid, kept, torch.zeros_like(aux_values))
         else:
             aux_values = values.new_zeros(values.shape[0], 0)
             aux_indices = indices.new_zeros(indices.shape[0], 0)
             aux_valid = torch.zeros_like(aux_indices, dtype=torch.bool)
         # where the gradient passes: the ReLU gate for the TopK codes, every real candidate for AuxK
         # (straight through its ReLU)
-        passes = torch.cat([values > 0, aux_valid], -1)
+        passes = torch.cat([values > 0 if relu else torch.ones_like(values, dtype=torch.bool), aux_valid], -1)
         ctx.save_for_backward(x, W, passes, torch.cat([indices, aux_indices], -1))
         ctx.mark_non_differentiable(indices, aux_indices)
         return values, indices, aux_values, aux_indices
@@ -94,7 +106,7 @@ class _TopKEncode(torch.autograd.Function):
         if ctx.needs_input_grad[2]:
             grad_b = torch.zeros(W.shape[1], dtype=g.dtype, device=g.device)
             grad_b.index_add_(0, flat_idx, g.reshape(-1))
-        return grad_x, grad_W, grad_b, None, None, None
+        return grad_x, grad_W, grad_b, None, None, None, None
 
 
 def topk_encode(
@@ -104,6 +116,7 @@ def topk_encode(
     k: int,
     aux_mask: torch.Tensor | None = None,
     k_aux: int = 0,
+    relu: bool = True,
 ) -> EncoderOutput:
     """TopK_K(ReLU(x W + b)) as (values [..., K], indices [..., K]), values sorted descending, plus the
     AuxK selection when ``aux_mask`` ([N] bool, True = may be chosen) and ``k_aux`` are given: the
@@ -112,6 +125,7 @@ def topk_encode(
     with no gradient.
 
     Fewer than K positive pre-activations leave zeros among the values (their gradient is zero).
+    ``relu=False``: the plain TopK of ``x W + b``, signed values, each with its gradient (AuxK's too).
     """
     lead = x.shape[:-1]
     if aux_mask is not None:
@@ -120,13 +134,16 @@ def topk_encode(
         if k_aux < 0:
             raise ValueError(f"k_aux={k_aux} must be >= 0")
         k_aux = min(k_aux, W.shape[1] - k)
-    out = _TopKEncode.apply(x.reshape(-1, x.shape[-1]), W, b, k, aux_mask, k_aux)
+    out = _TopKEncode.apply(x.reshape(-1, x.shape[-1]), W, b, k, aux_mask, k_aux, relu)
     return EncoderOutput(*(t.reshape(*lead, t.shape[-1]) for t in out))
 
 
-def topk_encode_dense(x: torch.Tensor, W: torch.Tensor, b: torch.Tensor, k: int) -> torch.Tensor:
+def topk_encode_dense(
+    x: torch.Tensor, W: torch.Tensor, b: torch.Tensor, k: int, relu: bool = True
+) -> torch.Tensor:
     """Reference form of :func:`topk_encode`: the dense [..., N] codes, autograd all the way."""
-    pre = F.relu(x @ W + b)
+    pre = x @ W + b
+    pre = F.relu(pre) if relu else pre
     values, indices = pre.topk(k, dim=-1)
     return torch.zeros_like(pre).scatter(-1, indices, values)
 

@@ -67,3 +67,62 @@ def architecture_key(layer: Any) -> str:
         if registered is cls:
             return key
     raise ValueError(f"{cls.__name__} is not a registered architecture; call register_architecture first")
+
+
+def parse_arch(text: str) -> tuple[str, dict[str, Any]]:
+    """``"KEY"`` or ``"KEY:field=value,field=value"`` as (key, options): an architecture with config
+    fields set, e.g. ``"mxd:gate=topk,balance_rate=0.001"`` (what ``--arch`` and the frontier's
+    ``archs`` take). Values read as int, float, true/false, none, or else a string."""
+    key, sep, rest = text.partition(":")
+    options: dict[str, Any] = {}
+    if sep:
+        for item in rest.split(","):
+            name, eq, value = item.partition("=")
+            if not eq or not name.strip() or not value.strip():
+                raise ValueError(
+                    f"architecture {text!r}: write KEY:field=value[,field=value...], e.g. 'mxd:gate=topk'"
+                )
+            options[name.strip()] = _parse_value(value.strip())
+    return key.strip(), options
+
+
+def format_arch(key: str, options: dict[str, Any] | None = None) -> str:
+    """The inverse of ``parse_arch``: ``"mxd"`` or ``"mxd:balance_rate=0.001,gate=topk"`` (fields sorted)."""
+    if not options:
+        return key
+    return key + ":" + ",".join(f"{name}={_format_value(options[name])}" for name in sorted(options))
+
+
+def arch_label(text: str) -> str:
+    """How tables and plots name an architecture with options: ``MxD``, ``MxD (gate=topk)``."""
+    key, options = parse_arch(text)
+    label = ARCHITECTURES[key].label if key in ARCHITECTURES else key
+    if not options:
+        return label
+    return f"{label} ({', '.join(f'{n}={_format_value(options[n])}' for n in sorted(options))})"
+
+
+def _parse_value(value: str) -> Any:
+    lowered = value.lower()
+    if lowered in ("none", "null"):
+        return None
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    for convert in (int, float):
+        try:
+            return convert(value)
+        except ValueError:
+            pass
+    return value
+
+
+def _format_value(value: Any) -> str:
+    return (
+        "none"
+        if value is None
+        else str(value).lower()
+        if isinstance(value, bool)
+        else f"{value:g}"
+        if isinstance(value, float)
+        else str(value)
+    )
