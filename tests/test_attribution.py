@@ -12,10 +12,17 @@ from mxd_lens.attribution import attribute, contributions, frozen_target, logit_
 from mxd_lens.layers import MxD, TopKSkipTranscoder, TopKTranscoder
 
 
-@pytest.mark.parametrize("cls", [MxD, TopKTranscoder, TopKSkipTranscoder])
+@pytest.mark.parametrize("cls", [MxD, TopKTranscoder, TopKSkipTranscoder, "mxd_signed"])
 def test_contributions_sum_to_the_layer_output(cls):
     model = make_model("gated")
-    layer = randomise(cls.for_model(model, 1, d_sae=24, k=4), 3, scale=0.3)
+    if cls == "mxd_signed":  # MxD's plain TopK gate: signed codes
+        cls = MxD
+        layer = randomise(cls.for_model(model, 1, d_sae=24, k=4, gate="topk"), 3, scale=0.3)
+        with torch.no_grad():
+            layer.b_enc.sub_(3.0)  # many selected codes negative
+        assert (contributions(layer, torch.randn(10, model.cfg.d_model)).values < 0).any()
+    else:
+        layer = randomise(cls.for_model(model, 1, d_sae=24, k=4), 3, scale=0.3)
     x = torch.randn(10, model.cfg.d_model)
     split = contributions(layer, x)
     with torch.no_grad():
@@ -28,11 +35,11 @@ def test_contributions_sum_to_the_layer_output(cls):
         torch.testing.assert_close(split.vectors[t, j], a * zD[t] * layer.W_dec[n], rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "gated"])
+@pytest.mark.parametrize("kind, gate", [("gpt2", "relu_topk"), ("gated", "relu_topk"), ("gated", "topk")])
 @pytest.mark.parametrize("error_term", [True, False])
-def test_parts_sum_to_the_target_and_removing_a_contribution_moves_it_by_its_attribution(kind, error_term):
+def test_parts_sum_to_the_target_and_removing_a_contribution_moves_it_by_its_attribution(kind, gate, error_term):
     model = make_model(kind)
-    layer = randomise(MxD.for_model(model, 1, d_sae=24, k=4), 5, scale=0.3)
+    layer = randomise(MxD.for_model(model, 1, d_sae=24, k=4, gate=gate), 5, scale=0.3)
     tokens = torch.randint(0, model.cfg.d_vocab, (1, 10), generator=torch.Generator().manual_seed(0))
     target = logit_target(token=7, minus=3)
     with mxd_lens.splice(model, layer, error_term=error_term):

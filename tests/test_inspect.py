@@ -18,7 +18,7 @@ def stream(shapes, seed=0):
 
 def brute_force(model, layer, batches, features, n, skip_bos):
     """Every code of every token from the full forward and the dense ``encode``, sorted by
-    (activation descending, row, position); positive activations only."""
+    (|activation| descending, row, position); non-zero activations only."""
     entries = {f: [] for f in features}
     row0 = 0
     for tokens in batches:
@@ -28,18 +28,23 @@ def brute_force(model, layer, batches, features, n, skip_bos):
         for r in range(tokens.shape[0]):
             for p in range(int(skip_bos), tokens.shape[1]):
                 for f in features:
-                    if codes[r, p, f] > 0:
-                        entries[f].append((-float(codes[r, p, f]), row0 + r, p))
+                    if codes[r, p, f] != 0:
+                        entries[f].append((-abs(float(codes[r, p, f])), row0 + r, p, float(codes[r, p, f])))
         row0 += tokens.shape[0]
     return {f: sorted(e)[:n] for f, e in entries.items()}
 
 
 @pytest.mark.parametrize("kind", ["gpt2", "parallel"])
-@pytest.mark.parametrize("arch", [MxD, TopKTranscoder])
+@pytest.mark.parametrize("arch", [MxD, TopKTranscoder, "mxd_signed"])
 @pytest.mark.parametrize("n, skip_bos", [(5, True), (40, True), (200, False)])
 def test_streaming_top_n_equals_brute_force(kind, arch, n, skip_bos):
     model = make_model(kind)
-    layer = randomise(arch.for_model(model, 1, d_sae=24, k=4))
+    if arch == "mxd_signed":  # MxD's plain TopK gate: signed codes, ranked by magnitude
+        layer = randomise(MxD.for_model(model, 1, d_sae=24, k=4, gate="topk"))
+        with torch.no_grad():
+            layer.b_enc.sub_(3.0)  # many selected codes negative
+    else:
+        layer = randomise(arch.for_model(model, 1, d_sae=24, k=4))
     batches = stream([(3, 12), (1, 12), (4, 12), (2, 7)])
     features = [0, 3, 7, 11, 23] if n < 200 else list(range(24))
 
@@ -56,8 +61,10 @@ def test_streaming_top_n_equals_brute_force(kind, arch, n, skip_bos):
     for f in features:
         got = df[df["feature"] == f]
         assert got["rank"].tolist() == list(range(1, len(expected[f]) + 1))
-        assert got["activation"].tolist() == pytest.approx([-e[0] for e in expected[f]], rel=1e-5, abs=1e-6)
-        assert list(zip(got["row"], got["position"], strict=True)) == [e[1:] for e in expected[f]]
+        assert got["activation"].tolist() == pytest.approx([e[3] for e in expected[f]], rel=1e-5, abs=1e-6)
+        assert list(zip(got["row"], got["position"], strict=True)) == [e[1:3] for e in expected[f]]
+    if arch == "mxd_signed" and n == 200:
+        assert (df["activation"] < 0).any()
     # No tokenizer: token ids stand in for text.
     rows = [row.tolist() for tokens in batches for row in tokens]
     assert df["token"].tolist() == [str(rows[r][p]) for r, p in zip(df["row"], df["position"], strict=True)]

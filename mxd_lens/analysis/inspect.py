@@ -115,7 +115,8 @@ class _RunningTop:
         """Merge a later batch's top entries, each [F, m] (window [F, m, width])."""
         # Running entries go first: they came earlier, and the stable sort keeps them ahead on ties.
         merged = torch.cat([self.activation, activation], dim=1)
-        order = merged.sort(dim=1, descending=True, stable=True).indices[:, : self.n]
+        magnitude = torch.where(merged == -torch.inf, -1.0, merged.abs())  # empty slots last
+        order = magnitude.sort(dim=1, descending=True, stable=True).indices[:, : self.n]
         self.activation = merged.gather(1, order)
         self.row = torch.cat([self.row, row], dim=1).gather(1, order)
         self.position = torch.cat([self.position, position], dim=1).gather(1, order)
@@ -197,8 +198,10 @@ def _feature_acts(
 
 
 def _batch_top(acts: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per feature, the top min(n, T) positive activations of [F, T] (-inf where fewer fired) and their
-    flat token indices, equal values in index order.
+    """Per feature, the min(n, T) activations of [F, T] largest in magnitude (-inf where fewer fired)
+    and their flat token indices, equal magnitudes in index order. ReLU'd codes are >= 0, so this is
+    their largest values; signed codes (MxD's ``gate="topk"``) keep their sign, and a unit that fires
+    negative shows those contexts too.
 
     topk makes no promise on ties, so it ranks an exact int64 key instead: the bits of a positive
     float32 order like its value; the low 32 bits put earlier tokens first among equal values.
@@ -207,7 +210,8 @@ def _batch_top(acts: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     if n_tokens >= 2**32:
         raise ValueError(f"a batch of {n_tokens} tokens is too large; split it")
     later = torch.arange(n_tokens - 1, -1, -1, device=acts.device)
-    key = torch.where(acts > 0, (acts.view(torch.int32).long() << 32) | later, -1)
+    magnitude = acts.abs()
+    key = torch.where(magnitude > 0, (magnitude.view(torch.int32).long() << 32) | later, -1)
     key, flat = key.topk(min(n, n_tokens), dim=1)
     top = torch.where(key >= 0, acts.gather(1, flat), -torch.inf)
     return top.cpu(), flat.cpu()
@@ -279,12 +283,12 @@ def to_html(df: pd.DataFrame, title: str, path: str | Path | None = None) -> str
         parts.append("<p>No feature was active in the stream.</p>")
     for feature in present:
         rows = df[df["feature"] == feature].sort_values("rank", kind="stable")
-        peak = float(rows["activation"].max())
+        peak = float(rows["activation"].abs().max())
         parts.append(f'<section id="feature-{feature}"><h2>Feature {feature}</h2>')
         parts.append(f'<p class="meta">max activation {peak:.4g}; {len(rows)} contexts</p>')
         parts.append("<table><tr><th>#</th><th>activation</th><th>context</th><th>row:position</th></tr>")
         for r in rows.itertuples(index=False):
-            alpha = min(max(r.activation / peak, 0.0), 1.0) if peak > 0 else 0.0
+            alpha = min(abs(r.activation) / peak, 1.0) if peak > 0 else 0.0
             parts.append(
                 f'<tr><td class="num">{r.rank}</td><td class="num">{r.activation:.4g}</td><td class="ctx">'
                 f'<span class="side">{_text(r.left)}</span>'

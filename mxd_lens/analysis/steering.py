@@ -329,7 +329,8 @@ def steering_targets(
                 torch.tensor([ids]) for ids in probing.tokenize_texts(model, positives, study.context_size)
             )
             top = top_activations(model, layer, rows, [feature], n=1, progress=False)
-            scale = float(top.activation.max())
+            # the feature's typical activation, signed (signed codes may fire negative)
+            scale = float(top.activation.iloc[0])
             targets.append(
                 {
                     "task": task,
