@@ -370,6 +370,11 @@ class ProbingStudy:
     """texts per model forward"""
     seed: int = 0
     """seed of the train/validation/test split"""
+    protocols: list[str] = field(default_factory=lambda: ["saebench"])
+    """saebench (top k by train mean difference; k in ks), paper (k = 1, best of 100 by *test* F1: selected
+    on test, as the reference code does), paper_val (the same, selected on validation)"""
+    neurons: bool = False
+    """also probe the host MLP's hidden neurons, like codes (a baseline)"""
 
 
 @dataclass

@@ -37,7 +37,9 @@ def test_contributions_sum_to_the_layer_output(cls):
 
 @pytest.mark.parametrize("kind, gate", [("gpt2", "relu_topk"), ("gated", "relu_topk"), ("gated", "topk")])
 @pytest.mark.parametrize("error_term", [True, False])
-def test_parts_sum_to_the_target_and_removing_a_contribution_moves_it_by_its_attribution(kind, gate, error_term):
+def test_parts_sum_to_the_target_and_removing_a_contribution_moves_it_by_its_attribution(
+    kind, gate, error_term
+):
     model = make_model(kind)
     layer = randomise(MxD.for_model(model, 1, d_sae=24, k=4, gate=gate), 5, scale=0.3)
     tokens = torch.randint(0, model.cfg.d_vocab, (1, 10), generator=torch.Generator().manual_seed(0))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import lzma
 import random
@@ -381,3 +382,66 @@ def test_merged_studies_equal_one_study_of_all_layers(text_model, tmp_path, caps
         merge_probing([one, tmp_path], tmp_path / "refused")
     with pytest.raises(SystemExit, match="merge_probing: .*other tasks"):
         script.main([str(one), str(tmp_path / "fewer"), "--out", str(tmp_path / "refused")])
+
+
+def test_paper_protocol_against_a_hand_loop():
+    """probe_paper: top 100 by signed train mean difference, the one-feature probe with the best F1 on the
+    chosen split; checked against a direct loop, and selection on test can only flatter."""
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.metrics import f1_score
+    from sklearn.preprocessing import StandardScaler
+
+    rng = np.random.default_rng(0)
+    y = rng.integers(0, 2, 300)
+    X = rng.normal(size=(300, 150))
+    X[:, 7] += 1.5 * y  # a strong feature
+    X[:, 40:140] += 0.3 * y[:, None] * rng.random(100)  # many weak ones
+    parts = {"train": list(range(180)), "val": list(range(180, 240)), "test": list(range(240, 300))}
+    on_test = probing.probe_paper(X, y, parts, select_on="test")
+    on_val = probing.probe_paper(X, y, parts, select_on="val")
+    assert on_test["test_f1"] >= on_val["test_f1"]
+    tr, te = np.array(parts["train"]), np.array(parts["test"])
+    diff = X[tr][y[tr] == 1].mean(0) - X[tr][y[tr] == 0].mean(0)
+    best = None
+    for f in sorted(range(150), key=lambda f: -diff[f])[:100]:
+        scaler = StandardScaler().fit(X[tr][:, [f]])
+        probe = LogisticRegression(C=1.0, max_iter=2000).fit(scaler.transform(X[tr][:, [f]]), y[tr])
+        f1 = f1_score(y[te], probe.predict(scaler.transform(X[te][:, [f]])))
+        if best is None or f1 > best[0]:
+            best = (f1, f)
+    assert on_test["features"] == [best[1]] and on_test["test_f1"] == pytest.approx(best[0])
+    with pytest.raises(ValueError, match="select_on"):
+        probing.probe_paper(X, y, parts, select_on="train")
+
+
+def test_both_protocols_and_the_neuron_baseline_in_one_study(text_model, tmp_path):
+    """protocols and neurons add rows without changing the saebench ones; the neurons are the MLP's
+    hidden activations (hook_post) mean-pooled like codes; the paper summaries are written apart."""
+    import pandas as pd
+
+    from mxd_lens.analysis.probing import ProbingStudy, pooled_activations, run_probing_study
+
+    task_set = animal_task_and_layers(text_model, tmp_path)
+    plain = ProbingStudy(layers=[str(tmp_path / "final")], ks=[1, 2], context_size=12)
+    full = dataclasses.replace(plain, protocols=["saebench", "paper", "paper_val"], neurons=True)
+    a = run_probing_study(text_model, plain, tmp_path / "a", progress=False, task_sets=[task_set])
+    b = run_probing_study(text_model, full, tmp_path / "b", progress=False, task_sets=[task_set])
+    keys = ["task", "source", "k"]
+    old = a["table"].set_index(keys)["test_accuracy"]
+    new = b["table"][b["table"].protocol == "saebench"].set_index(keys)["test_accuracy"]
+    pd.testing.assert_series_equal(old, new.loc[old.index])
+    sources = set(b["table"].source)
+    block = int(next(s for s in sources if s.startswith("mlp_in.L")).split(".L")[1])
+    assert f"neurons.L{block}" in sources
+    assert set(b["table"].protocol) == {"saebench", "paper", "paper_val"}
+    for name in ("summary_paper.csv", "summary_paper_val.csv"):
+        assert (tmp_path / "b" / name).is_file()
+    # the neurons, pooled: the mean over the text's tokens (after BOS) of the MLP's hook_post
+    texts = ["the cat sat", "a dog ran far"]
+    pooled = pooled_activations(text_model, {}, texts, [block], context_size=12, progress=False, neurons=True)
+    for i, text in enumerate(texts):
+        ids = probing.tokenize_texts(text_model, [text], 12)[0]
+        _, cache = text_model.run_with_cache(torch.tensor([ids]))
+        skip = int(text_model.cfg.default_prepend_bos)
+        expected = cache[f"blocks.{block}.mlp.hook_post"][0, skip:].mean(0)
+        torch.testing.assert_close(pooled[f"neurons.L{block}"][i], expected, rtol=1e-5, atol=1e-6)

@@ -39,7 +39,18 @@ if TYPE_CHECKING:
     from mxd_lens.layers.base import MLPReplacement
 
 DENSE = ("mlp_in", "mlp_out")
+NEURONS = "neurons"  # the host MLP's hidden activations (hook_post), probed like codes: a baseline
+PROTOCOLS = ("saebench", "paper", "paper_val")
+"""How features are chosen. saebench: the top k by |train mean difference|, chosen on the training
+split only, then a probe (SAEBench; k in ks). paper: the reference code's probe_global.py, k = 1: of the
+100 features with the largest *signed* train mean difference, the one whose one-feature probe has the best
+*test* F1 (selected on test: it flatters a method with many weak features). paper_val: the same, but
+selected by validation F1 (the fair variant)."""
 DEFAULT_CS = (0.001, 0.01, 0.1, 1.0, 10.0, 100.0)
+
+
+def neuron_key(block: int) -> str:
+    return f"{NEURONS}.L{block}"
 
 
 def dense_key(kind: str, layer: int) -> str:
@@ -77,9 +88,11 @@ def pooled_activations(
     context_size: int = 128,
     batch_size: int = 16,
     progress: bool = True,
+    neurons: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Mean-pooled codes ``{name: [n_texts, d_sae]}`` of each layer in ``layers`` and, for each block in
-    ``dense_layers``, the dense MLP input and output (``mlp_in.L3``, ``mlp_out.L3``: [n_texts, d_model]).
+    ``dense_layers``, the dense MLP input and output (``mlp_in.L3``, ``mlp_out.L3``: [n_texts, d_model])
+    and with ``neurons`` the MLP's hidden activations (``neurons.L3``: [n_texts, d_mlp]).
 
     One clean forward per text, up to the deepest block needed. Texts are sorted by length into
     batches (right padding never reaches a real token under causal attention) and returned in the
@@ -112,7 +125,9 @@ def pooled_activations(
             mask[row, skip : len(ids[i])] = 1.0
         tokens, mask = tokens.to(device), mask.to(device)
         weights = (mask / mask.sum(1, keepdim=True)).unsqueeze(-1)
-        with hooks.capture_mlp_io(model, needed) as io:
+        hidden: dict[int, torch.Tensor] = {}
+        post = [(f"blocks.{i}.mlp.hook_post", _store(hidden, i)) for i in dense_layers] if neurons else []
+        with hooks.capture_mlp_io(model, needed) as io, model.hooks(fwd_hooks=post):
             model(tokens, stop_at_layer=needed[-1] + 1)
         pooled = {}
         for name, index in blocks.items():
@@ -124,6 +139,8 @@ def pooled_activations(
         for index in dense_layers:
             for kind, key in zip(DENSE, ("in", "out"), strict=True):
                 pooled[dense_key(kind, index)] = (io[index][key] * weights).sum(1)
+            if neurons:
+                pooled[neuron_key(index)] = (hidden[index] * weights.to(hidden[index].dtype)).sum(1)
         for name, value in pooled.items():
             if name not in out:
                 out[name] = torch.empty(len(ids), value.shape[-1], dtype=torch.float32)
@@ -131,6 +148,13 @@ def pooled_activations(
         bar.update(len(chunk))
     bar.close()
     return out
+
+
+def _store(slot: dict[int, torch.Tensor], index: int):
+    def hook(value: torch.Tensor, hook: Any) -> None:
+        slot[index] = value
+
+    return hook
 
 
 def layer_fingerprint(layer: MLPReplacement) -> str:
@@ -159,6 +183,7 @@ class PooledCache:
         context_size: int = 128,
         batch_size: int = 16,
         progress: bool = True,
+        neurons: bool = False,
     ) -> dict[str, torch.Tensor]:
         from safetensors.torch import load_file, save_file
 
@@ -166,9 +191,10 @@ class PooledCache:
         texts_digest = hashlib.blake2b("\x00".join(examples.texts).encode(), digest_size=8).hexdigest()
         stamp = {"model": model.cfg.model_name, "context_size": context_size, "texts": texts_digest}
         wanted = {name: {**stamp, "weights": layer_fingerprint(layer)} for name, layer in layers.items()}
-        for index in dense_layers:
-            for kind in DENSE:
-                wanted[dense_key(kind, index)] = dict(stamp)
+        kinds = [dense_key(kind, i) for i in dense_layers for kind in DENSE]
+        kinds += [neuron_key(i) for i in dense_layers] if neurons else []
+        for key in kinds:
+            wanted[key] = dict(stamp)
         found: dict[str, torch.Tensor] = {}
         for name, meta in wanted.items():
             path = folder / f"{name}.safetensors"
@@ -176,10 +202,19 @@ class PooledCache:
                 if json.loads(path.with_suffix(".json").read_text()) == meta:
                     found[name] = load_file(path)["pooled"]
         missing_layers = {n: layer for n, layer in layers.items() if n not in found}
-        missing_dense = [i for i in dense_layers if any(dense_key(k, i) not in found for k in DENSE)]
+        missing_dense = [
+            i for i in dense_layers if any(k not in found and k.endswith(f".L{i}") for k in kinds)
+        ]
         if missing_layers or missing_dense:
             fresh = pooled_activations(
-                model, missing_layers, examples.texts, missing_dense, context_size, batch_size, progress
+                model,
+                missing_layers,
+                examples.texts,
+                missing_dense,
+                context_size,
+                batch_size,
+                progress,
+                neurons,
             )
             folder.mkdir(parents=True, exist_ok=True)
             for name, value in fresh.items():
@@ -264,6 +299,57 @@ def probe_task(
     }
 
 
+def probe_paper(
+    X: np.ndarray,
+    y: np.ndarray,
+    parts: Mapping[str, Sequence[int]],
+    select_on: str = "test",
+    candidates: int = 100,
+) -> dict[str, Any]:
+    """The reference code's protocol (``probe_global.py``), k = 1: of the ``candidates`` features with the
+    largest signed train mean difference mean(X | y=1) − mean(X | y=0), keep the one whose one-feature
+    logistic probe (standardised, C = 1, fitted on train) has the best F1 on ``select_on`` ("test", as
+    the paper does, or "val"); report its test accuracy, balanced accuracy and F1."""
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.metrics import balanced_accuracy_score, f1_score
+    from sklearn.pipeline import make_pipeline
+    from sklearn.preprocessing import StandardScaler
+
+    if select_on not in ("test", "val"):
+        raise ValueError(f"select_on={select_on!r}: choose 'test' (the paper's) or 'val'")
+    tr, va, te = (np.asarray(parts[s]) for s in ("train", "val", "test"))
+    yb = np.asarray(y).astype(bool)
+    if yb[tr].all() or not yb[tr].any():
+        raise ValueError("ranking needs both classes in the training split")
+    diff = X[tr][yb[tr]].mean(0) - X[tr][~yb[tr]].mean(0)
+    ranked = np.argsort(-diff, kind="stable")[:candidates]
+    chosen = np.asarray(parts[select_on])
+    best, best_f1 = None, -1.0
+    for feature in ranked:
+        column = X[:, [feature]]
+        if np.ptp(column[tr]) == 0:  # never active on train: a constant, no probe
+            continue
+        probe = make_pipeline(StandardScaler(), LogisticRegression(C=1.0, max_iter=2000))
+        probe.fit(column[tr], y[tr])
+        f1 = f1_score(y[chosen], probe.predict(column[chosen]), zero_division=0.0)
+        if f1 > best_f1:
+            best, best_f1 = (int(feature), probe), f1
+    if best is None:
+        return {"test_accuracy": 0.5, "balanced_accuracy": 0.5, "test_f1": 0.0, "features": [],
+                "n_train": len(tr), "n_test": len(te), "probe": None}  # fmt: skip
+    feature, probe = best
+    predicted = probe.predict(X[te][:, [feature]])
+    return {
+        "test_accuracy": float((predicted == y[te]).mean()),
+        "balanced_accuracy": float(balanced_accuracy_score(y[te], predicted)),
+        "test_f1": float(f1_score(y[te], predicted, zero_division=0.0)),
+        "features": [feature],
+        "n_train": len(tr),
+        "n_test": len(te),
+        "probe": probe,
+    }
+
+
 def task_splits(
     examples: Examples, fractions: tuple[float, float, float] = (0.6, 0.2, 0.2), seed: int = 0
 ) -> dict[str, tuple[dict[str, list[int]], np.ndarray]]:
@@ -291,14 +377,21 @@ def run_probing(
     batch_size: int = 16,
     seed: int = 0,
     progress: bool = True,
+    protocols: Sequence[str] = ("saebench",),
+    neurons: bool = False,
 ) -> tuple[pd.DataFrame, dict[str, Any]]:
     """Every task of every set, for each layer's codes at each k and the dense MLP input/output of
-    each layer's block (``dense_layers`` defaults to those blocks). Returns (table with one row per
-    (task, source, k), fitted probes ``{(task, source, k): result}``)."""
+    each layer's block (``dense_layers`` defaults to those blocks), under each of ``protocols``
+    (``PROTOCOLS``); with ``neurons`` the host MLP's hidden neurons are probed like codes (a baseline).
+    Returns (table with one row per (task, source, protocol, k), fitted probes
+    ``{(task, source, k): result}`` for the saebench protocol, ``{(task, source, protocol): ...}`` else)."""
     import pandas as pd
 
     if dense_layers is None:
         dense_layers = sorted({hooks.block_of(layer) for layer in layers.values()})
+    unknown = sorted(set(protocols) - set(PROTOCOLS))
+    if unknown or not protocols:
+        raise ValueError(f"protocols {list(protocols)}: choose among {list(PROTOCOLS)}")
     for name, layer in layers.items():
         for k in ks:
             if not 1 <= k <= layer.cfg.d_sae:
@@ -311,29 +404,30 @@ def run_probing(
         loaded.append((task_set, examples, task_splits(examples, seed=seed)))
     for task_set, examples, task_parts in loaded:
         if store is not None:
-            pooled = store.get(model, examples, layers, dense_layers, context_size, batch_size, progress)
+            pooled = store.get(
+                model, examples, layers, dense_layers, context_size, batch_size, progress, neurons
+            )
         else:
             pooled = pooled_activations(
-                model, layers, examples.texts, dense_layers, context_size, batch_size, progress
+                model, layers, examples.texts, dense_layers, context_size, batch_size, progress, neurons
             )
         bar = tqdm(task_parts.items(), desc=f"probes {task_set.name}", unit="task", disable=not progress)
         for task, (parts, y) in bar:
             for source, X in pooled.items():
                 X = X.numpy()
                 dense = source.split(".")[0] in DENSE
-                for k in [None] if dense else ks:
-                    result = probe_task(X, y, parts, k)
-                    fitted[(task, source, k)] = result
-                    rows.append(
-                        {
-                            "task_set": task_set.name,
-                            "family": task_set.family,
-                            "task": task,
-                            "source": source,
-                            "k": "all" if k is None else k,
-                            **{key: v for key, v in result.items() if key != "probe"},
-                        }
-                    )
+                base = {"task_set": task_set.name, "family": task_set.family, "task": task, "source": source}
+                if "saebench" in protocols or dense:
+                    for k in [None] if dense else ks:
+                        result = probe_task(X, y, parts, k)
+                        fitted[(task, source, k)] = result
+                        rows.append({**base, "protocol": "saebench", "k": "all" if k is None else k,
+                                     **{key: v for key, v in result.items() if key != "probe"}})  # fmt: skip
+                for protocol in [] if dense else [p for p in protocols if p != "saebench"]:
+                    result = probe_paper(X, y, parts, select_on="test" if protocol == "paper" else "val")
+                    fitted[(task, source, protocol)] = result
+                    rows.append({**base, "protocol": protocol, "k": 1,
+                                 **{key: v for key, v in result.items() if key != "probe"}})  # fmt: skip
     return pd.DataFrame(rows), fitted
 
 
@@ -342,11 +436,14 @@ def layer_label(layer: MLPReplacement) -> str:
     return f"{type(layer).label} K={layer.cfg.k}"
 
 
-def summarize(table: pd.DataFrame) -> pd.DataFrame:
-    """Mean test accuracy over tasks per (source, k), one column per k (the dense ceiling under 'all'),
-    each with its standard error over tasks (``se k=...``)."""
+def summarize(table: pd.DataFrame, protocol: str = "saebench", metric: str = "test_accuracy") -> pd.DataFrame:
+    """Mean ``metric`` over tasks per (source, k) under ``protocol`` (tables written before protocols
+    existed are saebench), one column per k (the dense ceiling under 'all'), each with its standard
+    error over tasks (``se k=...``)."""
     import pandas as pd
 
+    table = _with_protocol(table)
+    table = table[(table.protocol == protocol) | (table.k.astype(str) == "all")]
     grouped = table.groupby(["source", "k"])["test_accuracy"]
     mean = grouped.mean().unstack("k")
     se = (grouped.std(ddof=1) / grouped.count() ** 0.5).unstack("k")
@@ -356,12 +453,14 @@ def summarize(table: pd.DataFrame) -> pd.DataFrame:
     return out
 
 
-def paired_difference(table: pd.DataFrame, a: str, b: str) -> pd.DataFrame:
+def paired_difference(table: pd.DataFrame, a: str, b: str, protocol: str = "saebench") -> pd.DataFrame:
     """Per k: the mean over tasks of (accuracy of source ``a`` − of ``b``) on the same task, its
     standard error and the number of tasks each side wins: a paired comparison, tighter than the
-    difference of two means since tasks vary far more than methods do."""
+    difference of two means since tasks vary far more than methods do. Rows of ``protocol`` only."""
     import pandas as pd
 
+    table = _with_protocol(table)
+    table = table[table.protocol == protocol]
     rows = []
     for k in sorted(set(table.k) - {"all"}, key=str):
         pair = [
@@ -377,12 +476,21 @@ def paired_difference(table: pd.DataFrame, a: str, b: str) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def _with_protocol(table: pd.DataFrame) -> pd.DataFrame:
+    return table if "protocol" in table else table.assign(protocol="saebench")
+
+
 def plot_probing(table: pd.DataFrame, labels: Mapping[str, str], path: str | Path | None = None) -> Any:
-    """Mean test accuracy against k per layer (one panel per layer K, methods as lines, bars: standard
-    error over tasks), the dense MLP input/output probes as horizontal lines. Returns the Figure
-    (saved to ``path`` when given)."""
+    """Mean test accuracy against k per layer under SAEBench's protocol (one panel per layer K, methods as
+    lines, bars: standard error over tasks), the dense MLP input/output probes and the MLP's neurons as
+    horizontal lines / a line in every panel. Returns the Figure (saved to ``path`` when given)."""
     from matplotlib.figure import Figure
 
+    table = _with_protocol(table)
+    table = table[table.protocol == "saebench"]
+    neurons = table[table.source.str.startswith(NEURONS + ".") & (table.k != "all")]
+    neuron_stats = neurons.groupby("k")["test_accuracy"].agg(["mean", "std", "count"])
+    table = table[table.source.isin(labels) | (table.k == "all")]
     sparse = table[table.k != "all"].copy()
     sparse["label"] = sparse.source.map(labels)
     sparse["method"] = sparse.label.str.rsplit(" K=", n=1).str[0]
@@ -399,6 +507,10 @@ def plot_probing(table: pd.DataFrame, labels: Mapping[str, str], path: str | Pat
             ax.errorbar(
                 rows.k.astype(int), rows["mean"], yerr=rows["se"], marker="o", capsize=3, label=method
             )
+        if len(neuron_stats):
+            ks_n = neuron_stats.index.astype(int)
+            ax.errorbar(ks_n, neuron_stats["mean"], yerr=neuron_stats["std"] / neuron_stats["count"] ** 0.5,
+                        marker="s", color="black", capsize=3, label="MLP neurons")  # fmt: skip
         for (source, acc), style in zip(dense.items(), ("--", ":", "-.", "--"), strict=False):
             ax.axhline(acc, color="gray", linestyle=style, label=f"dense {source} (all dims)")
         ax.set_title(f"K = {K}")
@@ -461,8 +573,12 @@ def run_probing_study(
     table, _ = run_probing(
         model, task_sets, layers, ks=study.ks, data_root=study.data or tasks.bundled_data(), cache=out / "pooled",
         context_size=study.context_size, batch_size=study.batch_size, seed=study.seed, progress=progress,
+        protocols=study.protocols, neurons=study.neurons,
     )  # fmt: skip
     labels = {name: layer_label(layer) for name, layer in layers.items()}
+    labels.update(
+        {s: f"MLP neurons ({s.split('.')[-1]})" for s in table.source.unique() if s.startswith(NEURONS + ".")}
+    )
     table["label"] = table.source.map(labels).fillna(table.source)
     record = {
         "command": command,
@@ -483,11 +599,27 @@ def write_probing_report(
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     labels = dict(zip(table.source, table.label, strict=True))
-    layer_labels = {s: label for s, label in labels.items() if s != label}
+    import pandas as pd
+
+    layer_labels = {s: label for s, label in labels.items() if s != label and " K=" in label}
     table.to_csv(out / "probing.csv", index=False)
     summary = summarize(table)
     summary.insert(0, "label", [labels.get(s, s) for s in summary.index])
     summary.to_csv(out / "summary.csv")
+    table = _with_protocol(table)
+    for protocol in sorted(set(table.protocol) - {"saebench"}):  # the paper's k = 1 protocols, one file each
+        other = pd.concat(
+            {
+                m: summarize(table, protocol, m)[["k=1", "se k=1"]]
+                for m in ("test_accuracy", "balanced_accuracy")
+            },
+            axis=1,
+        )
+        other.columns = [f"{m} {c}" for m, c in other.columns]
+        other = other.drop(index=[s for s in other.index if s.split(".")[0] in DENSE], errors="ignore")
+        other.insert(0, "label", [labels.get(s, s) for s in other.index])
+        other.to_csv(out / f"summary_{protocol}.csv")
+        summary.attrs[protocol] = other
     pairs = paired_comparisons(table, layer_labels)
     pairs.to_csv(out / "paired.csv", index=False)
     record = {**record, "rows": json.loads(table.to_json(orient="records"))}
@@ -499,6 +631,10 @@ def write_probing_report(
 def print_probing(results: Mapping[str, pd.DataFrame]) -> None:
     """The summary and the paired differences of a study's (or a merge's) results, as markdown."""
     print(results["summary"].round(3).to_markdown())
+    for protocol, other in results["summary"].attrs.items():
+        note = " (feature selected on the test split: flatters weak features)" if protocol == "paper" else ""
+        print(f"\nProtocol {protocol}, k = 1{note}:")
+        print(other.round(3).to_markdown())
     if len(results["paired"]):
         print("\nPaired differences in test accuracy (same task), mean over tasks:")
         print(results["paired"].round(3).to_markdown(index=False))
