@@ -49,6 +49,8 @@ class DemoCommand:
     """model name or path"""
     text: str | None = None
     """text source (default: the bundled English text)"""
+    ood_text: str | None = None
+    """out-of-domain text, every document held out (default: the bundled Debian fortunes; 'none': skip)"""
     block: int = field(default=15, metadata={"alias": ["--layer"]})
     """transformer block whose MLP to replace (--layer: its old name)"""
     k: int = 32
@@ -179,7 +181,8 @@ def _eval(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError) as err:
         raise SystemExit(f"mxd-lens eval: {err}") from None
     table = pd.DataFrame(rows)
-    columns = ["name", "delta_ce", "kl", "fvu", "l0", "dead_fraction", "ce_recovered_zero", "tokens"]
+    columns = ["name", "delta_ce", "kl", "fvu", "l0", "always_on", "effective_units", "top1_fvu",
+               "dead_fraction", "jacobian_cos", "ce_recovered_zero", "tokens"]  # fmt: skip
     print(table[[c for c in columns if c in table]].to_markdown(index=False, floatfmt=".4f"))
     if args.eval.write:
         print("\nrecorded in each layer's cfg.json (metadata.evaluation) and eval.json")
@@ -364,14 +367,17 @@ def _demo(args: argparse.Namespace) -> int:
     model on held-out text, print the comparison and save the plot and the weights."""
 
     from mxd_lens.analysis.frontier import FrontierConfig, run_frontier
+    from mxd_lens.analysis.tasks import bundled_data
     from mxd_lens.data import default_text
     from mxd_lens.models import load_model
 
     args = args.demo
     quick = args.quick
     model = load_model(args.model)
+    ood = args.ood_text or str(bundled_data() / "topic_fortunes_en.jsonl.xz")
     config = FrontierConfig(
         text=args.text or str(default_text()),
+        ood_text=None if ood.lower() == "none" else ood,
         blocks=[args.block],
         ks=[args.k],
         width_multiplier=args.width_multiplier,
@@ -417,8 +423,17 @@ def demo_table(rows: list[dict[str, Any]]) -> str:
             "L0": table["l0"].map("{:.1f}".format),
             "dead": table["dead_fraction"].map("{:.0%}".format),
         }
+        | (
+            {
+                "ΔCE (other text)": table["ood_delta_ce"].map("{:+.4f}".format),
+                "KL (other text)": table["ood_kl"].map("{:.4f}".format),
+            }
+            if "ood_kl" in table
+            else {}
+        )
     )
-    return table.to_markdown(index=False, colalign=["left"] + ["right"] * 7, disable_numparse=True)
+    n = len(table.columns)
+    return table.to_markdown(index=False, colalign=["left"] + ["right"] * (n - 1), disable_numparse=True)
 
 
 def demo_verdict(rows: list[dict[str, Any]]) -> str:
@@ -433,6 +448,15 @@ def demo_verdict(rows: list[dict[str, Any]]) -> str:
         f"spliced model's next-token loss minus the clean model's (0: as good as the model's own MLP; "
         f"deleting the MLP gives {zero:+.4f}): {ce}."
     )
+    if "ood_kl" in rows[0]:
+        ood = sorted(rows, key=lambda r: r["ood_kl"])
+        text += (
+            f" On text none of them trained on ({ood[0]['ood_tokens']:,} tokens): KL "
+            + "; ".join(f"{r['label']} {r['ood_kl']:.4f}" for r in ood)
+            + ", ΔCE "
+            + "; ".join(f"{r['label']} {r['ood_delta_ce']:+.4f}" for r in ood)
+            + "."
+        )
     negative = [r["label"] for r in rows if r["delta_ce"] < 0]
     if negative:
         text += (

@@ -122,6 +122,7 @@ def test_demo_runs_end_to_end(tmp_path, text_model, capsys):
         in out
     )
     assert f"{best['label']} {best['delta_ce']:+.4f}" in out
+    assert "On text none of them trained on" in out and "KL (other text)" in out  # the bundled fortunes
     assert f"deleting the MLP gives {best['ce_zero_ablation'] - best['ce_clean']:+.4f}" in out
     assert "smoke test" in out and re.search(rf"\|\s+{int(best['params']):,}\s+\|", out)
     assert sorted(

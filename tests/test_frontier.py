@@ -209,3 +209,17 @@ def test_each_learner_runs_at_its_own_rate_on_the_shared_schedule(tmp_path):
     assert specs[1].name.endswith(".lr0.0005") and own == pytest.approx(base / 4)
     history = [trainer.learners[s.name].history for s in specs]
     assert [h["lr"] for h in history[0]] == [h["lr"] for h in history[1]]  # the run's schedule, logged
+
+
+def test_plot_against_measured_l0_places_points_at_their_l0():
+    rows = [
+        {"block": 15, "k": k, "method": m, "seed": 0, "delta_ce": 0.01, "kl": 0.01 * k, "fvu": 0.1, "l0": l0,
+         "model": "m", "width_multiplier": 8, "train_tokens": 100}
+        for m, ratio in (("mxd", 0.25), ("transcoder", 1.0)) for k in (16, 32) for l0 in [ratio * k]
+    ]  # fmt: skip
+    fig = plot_frontier(pd.DataFrame(rows), x="l0")
+    lines = {c.get_label(): c.lines[0] for c in fig.axes[1].containers}
+    assert list(lines["MxD"].get_xdata()) == [4.0, 8.0] and list(lines["Transcoder"].get_xdata()) == [16, 32]
+    assert "L0 measured" in fig.axes[0].get_xlabel()
+    with pytest.raises(ValueError, match="choose 'k' or 'l0'"):
+        plot_frontier(pd.DataFrame(rows), x="K")

@@ -305,10 +305,15 @@ def summary_markdown(summary: Any) -> str:
     return pd.DataFrame(rows).to_markdown(index=False, disable_numparse=True)
 
 
-def plot_frontier(table: Any, path: Path | None = None) -> Any:
-    """ΔCE, KL and FVU against K: one column of panels per block, one line per method, the mean over
+def plot_frontier(table: Any, path: Path | None = None, x: str = "k", prefix: str = "") -> Any:
+    """ΔCE, KL and FVU against K (``x="k"``) or against the L0 each layer measured (``x="l0"``: where a
+    method that asked for K uses fewer codes, its points sit left of K, and methods compare at matched
+    L0, as transcoder papers plot it): one column of panels per block, one line per method, the mean over
     seeds with error bars (min to max) where there are several; KL and FVU on log scales (they span
-    decades; a diverged layer would flatten a linear axis). Returns the Figure (saved to ``path``)."""
+    decades; a diverged layer would flatten a linear axis). ``prefix="ood_"`` plots the out-of-domain
+    evaluation. Returns the Figure (saved to ``path``)."""
+    if x not in ("k", "l0"):
+        raise ValueError(f"x={x!r}: choose 'k' or 'l0'")
     from matplotlib.figure import Figure
 
     panels = (
@@ -324,18 +329,18 @@ def plot_frontier(table: Any, path: Path | None = None) -> Any:
         for method, group in table[table["block"] == block].groupby("method"):
             label = arch_label(method)
             for row, (column, _, _) in enumerate(panels):
-                stats = group.groupby("k")[column].agg(["mean", "min", "max"]).sort_index()
+                stats = group.groupby("k")[prefix + column].agg(["mean", "min", "max"]).sort_index()
+                where = stats.index if x == "k" else group.groupby("k")[prefix + "l0"].mean().sort_index()
                 err = [stats["mean"] - stats["min"], stats["max"] - stats["mean"]]
-                axes[row, col].errorbar(
-                    stats.index, stats["mean"], yerr=err, marker="o", capsize=3, label=label
-                )
+                axes[row, col].errorbar(where, stats["mean"], yerr=err, marker="o", capsize=3, label=label)
         for row, (_, title, scale) in enumerate(panels):
             ax = axes[row, col]
             ax.set_xscale("log", base=2)
             ax.set_yscale(scale)
             ax.set_xticks(ks, labels=[str(k) for k in ks])
-            ax.set_xlabel("K (active units per token)")
-            ax.set_title(f"block {block}: {title}", fontsize=10)
+            ax.set_xlabel("K (active units per token)" if x == "k" else "L0 measured (active codes per token)")
+            where = " (out-of-domain text)" if prefix == "ood_" else ""
+            ax.set_title(f"block {block}: {title}{where}", fontsize=10)
             ax.grid(alpha=0.3)
         axes[0, col].axhline(0, color="grey", lw=0.8)
     axes[0, 0].legend()
