@@ -572,7 +572,12 @@ def _train(args: argparse.Namespace) -> int:
         device=args.device,
         data_info=source.text_info,
     )
-    metrics = trainer.fit(resume=args.resume)
+    from mxd_lens.loop import RunExists
+
+    try:
+        metrics = trainer.fit(resume=args.resume)
+    except RunExists as err:
+        raise SystemExit(f"mxd-lens train: {err}") from None
     if trainer.rank == 0:
         for name, values in metrics.items():
             print(name, " ".join(f"{key}={value:.4g}" for key, value in values.items()))

@@ -38,6 +38,10 @@ class TrainingDiverged(FloatingPointError):
     """A loss or the weights went non-finite; the message names the last good checkpoint."""
 
 
+class RunExists(ValueError):
+    """``fit`` without ``resume`` on a folder that already holds a run: refused, nothing overwritten."""
+
+
 class ResumeMismatch(ValueError):
     """A checkpoint was trained with other settings, learners or data than the resuming run asks."""
 
@@ -148,6 +152,8 @@ class TrainingLoop:
         if lock is not None:
             lock.acquire()
         try:
+            if not resume and self.out_dir is not None:
+                self._refuse_existing_run()
             if resume:
                 self.load_checkpoint()
             self.before_steps()
@@ -155,6 +161,20 @@ class TrainingLoop:
         finally:
             if lock is not None:
                 lock.release()
+
+    def _refuse_existing_run(self) -> None:
+        """A fresh run must not overwrite a folder holding one (its checkpoints or final layers)."""
+        if self.step > 0:  # a checkpoint was loaded (load_checkpoint) before fit: this continues it
+            return
+        found = next(iter(checkpoint_candidates(self.checkpoint_dir)), None)
+        final = self.out_dir / "final"
+        if found is None and not (final.is_dir() and any(final.iterdir())):
+            return
+        where = f"checkpoint {found.name}" if found is not None else "final layers, no checkpoint"
+        raise RunExists(
+            f"{self.out_dir} holds a run ({where}): pass --resume (resume=True) to continue it, or give "
+            "another output folder; nothing was overwritten"
+        )
 
     def _run(self) -> Any:
         bar = tqdm(

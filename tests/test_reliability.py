@@ -115,3 +115,22 @@ def test_a_resumed_run_leaves_no_temporary_files_in_final(tmp_path):
     Trainer(SPECS[:1], source(), config(total_tokens=64 * 10), tmp_path, progress=False).fit(resume=True)
     assert not list((tmp_path / "final").rglob("*.tmp"))
     assert json.loads((tmp_path / "final" / SPECS[0].name / "cfg.json").read_text())["architecture"]
+
+
+def test_a_fresh_run_into_a_folder_holding_one_is_refused_and_nothing_is_overwritten(tmp_path):
+    """issue 31 #1: `mxd-lens train --out DIR` without --resume over a finished run (or one with
+    checkpoints only) used to overwrite it silently."""
+    from mxd_lens.loop import RunExists
+
+    Trainer(SPECS[:1], source(), config(total_tokens=64 * 10), tmp_path / "run", progress=False).fit()
+    before = {p: p.read_bytes() for p in (tmp_path / "run").rglob("*") if p.is_file() and p.name != ".lock"}
+    with pytest.raises(RunExists, match=r"holds a run \(checkpoint step_.*--resume"):
+        Trainer(
+            SPECS[:1], source(), config(total_tokens=64 * 10, seed=3), tmp_path / "run", progress=False
+        ).fit()
+    after = {p: p.read_bytes() for p in (tmp_path / "run").rglob("*") if p.is_file() and p.name != ".lock"}
+    assert after == before
+    shutil.rmtree(tmp_path / "run" / "checkpoints")  # final layers only
+    with pytest.raises(RunExists, match="final layers, no checkpoint"):
+        Trainer(SPECS[:1], source(), config(total_tokens=64 * 10), tmp_path / "run", progress=False).fit()
+    Trainer(SPECS[:1], source(), config(total_tokens=64 * 10), tmp_path / "empty", progress=False).fit()

@@ -248,7 +248,7 @@ def test_grad_clip_bounds_the_gradient_adam_sees_and_logs_the_norm_before(tmp_pa
         config(grad_clip=0)
 
 
-def test_bad_configs_are_refused():
+def test_bad_configs_are_refused(tmp_path):
     with pytest.raises(ValueError, match="total_tokens=10 is less than one batch of 100"):
         TrainConfig(total_tokens=10, batch_tokens=100)
     with pytest.raises(ValueError, match="architecture 'sae' unknown"):
@@ -264,7 +264,7 @@ def test_bad_configs_are_refused():
                 make_model(), [1], lambda: iter([torch.zeros(12, dtype=torch.long)] * 32), 12, 16
             ),
             config(),
-            "/tmp/unused-mxd",
+            tmp_path / "unused",
             progress=False,
         ).fit()
 
