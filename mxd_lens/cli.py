@@ -381,7 +381,9 @@ def _demo(args: argparse.Namespace) -> int:
         blocks=[args.block],
         ks=[args.k],
         width_multiplier=args.width_multiplier,
-        archs=["mxd", "transcoder"],
+        # MxD with the plain TopK gate: on the protocol sweep it keeps L0 = K where the paper's gate
+        # falls to L0 19 (docs/results.md, "MxD's codes on the review protocol")
+        archs=["mxd:gate=topk", "transcoder"],
         train_tokens=args.train_tokens or (8_192 if quick else 262_144),
         epochs=args.epochs,
         eval_tokens=args.eval_tokens or (1_024 if quick else 12_800),

@@ -4,6 +4,7 @@ import pandas as pd
 import pytest
 import torch
 from conftest import make_text_model
+from sae_lens import SAE
 from safetensors.torch import load_file
 
 from mxd_lens.cli import main
@@ -128,9 +129,10 @@ def test_demo_runs_end_to_end(tmp_path, text_model, capsys):
     assert sorted(
         p.name for p in (tmp_path / "demo" / "runs" / "L1.seed0" / "final").iterdir() if p.is_dir()
     ) == [
-        "L1.mxd.k2.m8",
+        "L1.mxd-gate=topk.k2.m8",
         "L1.transcoder.k2.m8",
     ]
+    assert SAE.load_from_disk(tmp_path / "demo/runs/L1.seed0/final/L1.mxd-gate=topk.k2.m8").cfg.gate == "topk"
 
 
 @pytest.mark.parametrize("command", ["", "check", "demo", "cache", "train"])
