@@ -25,6 +25,7 @@ from mxd_lens.analysis.frontier import (
     run_frontier,
     summarize,
     summary_markdown,
+    usage_markdown,
     write_frontier_cache,
 )
 from mxd_lens.cli import parse_config
@@ -66,7 +67,13 @@ def main(argv: list[str] | None = None) -> int:
         script, config = parse_config(__doc__, args, script=Script, config=FrontierConfig)
     if script.report:
         table = load_results(script.out, script.override)
-        text = summary_markdown(summarize(table))
+        summary = summarize(table)
+        text = summary_markdown(summary)
+        usage = usage_markdown(summary)
+        if usage:  # studies with the usage diagnostics and an out-of-domain text
+            text += "\n\nHow the units are used, and the out-of-domain text:\n\n" + usage
+            plot_frontier(table, Path(script.out) / "frontier-l0.png", x="l0")
+            plot_frontier(table, Path(script.out) / "frontier-l0-ood.png", x="l0", prefix="ood_")
         (Path(script.out) / "summary.md").write_text(text + "\n", encoding="utf-8")
         plot_frontier(table, Path(script.out) / "frontier.png")
         print(text)

@@ -187,6 +187,13 @@ def test_frontier_variants_rates_and_out_of_domain_text(tmp_path):
     for row in rows.values():
         assert row["ood_tokens"] >= 96 - 12 and row["ood_kl"] >= 0 and row["ood_kl"] != row["kl"]
         assert 0 < row["ood_fvu"] and -1 <= row["ood_jacobian_cos"] <= 1
+    from mxd_lens.analysis.frontier import load_results, summarize, usage_markdown
+
+    summary = summarize(load_results(tmp_path / "out"))
+    text = usage_markdown(summary)
+    assert "MxD (gate=topk)" in text and "KL (OOD)" in text and "always on" in text
+    row = summary[summary.method == "mxd:gate=topk"].iloc[0]
+    assert row.ood_kl == pytest.approx(rows["mxd:gate=topk"]["ood_kl"]) and row.l0 == 2
     with pytest.raises(ValueError, match="write ARCH=LR"):
         dataclasses.replace(config, arch_lr=["mxd:0.001"])
     with pytest.raises(ValueError, match="not in archs"):

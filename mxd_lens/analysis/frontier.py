@@ -227,6 +227,10 @@ def _read_results(path: Path) -> Any:
 
 
 SUMMARY_METRICS = ("delta_ce", "kl", "fvu", "l0", "dead_fraction", "ce_recovered_zero")
+# what each unit does and the out-of-domain evaluation, where the rows have them (studies since the
+# review protocol): averaged over seeds like the metrics above
+USAGE_METRICS = ("always_on", "effective_units", "top1_fvu", "jacobian_cos", "ood_delta_ce", "ood_kl", "ood_fvu",
+                 "ood_l0", "ood_dead_fraction")  # fmt: skip
 
 
 def summarize(table: Any) -> Any:
@@ -236,7 +240,11 @@ def summarize(table: Any) -> Any:
     transcoder's ΔCE is not positive), and ``kl_vs_transcoder`` likewise for KL (always defined: KL >= 0)."""
     keys = ["block", "k", "method"]
     grouped = table.groupby(keys)
-    summary = grouped[list(SUMMARY_METRICS)].mean()
+    extra = [m for m in USAGE_METRICS if m in table and table[m].notna().any()]
+    summary = grouped[list(SUMMARY_METRICS) + extra].mean()
+    for metric in ("kl", "ood_kl", "l0"):
+        if metric in table:
+            summary[f"{metric}_min"], summary[f"{metric}_max"] = grouped[metric].min(), grouped[metric].max()
     summary["seeds"] = grouped["seed"].nunique() if "seed" in table else 1
     summary["delta_ce_min"] = grouped["delta_ce"].min()
     summary["delta_ce_max"] = grouped["delta_ce"].max()
@@ -267,6 +275,37 @@ def _missing(value: Any) -> bool:
 
 
 _METHOD_ORDER = {"mxd": 0, "skip_transcoder": 1, "transcoder": 2}
+
+
+def usage_markdown(summary: Any) -> str:
+    """The review protocol's table: per (block, K, method) the L0 each layer measured, how its units are
+    used, its fidelity in domain (KL, ΔCE, FVU, Jacobian cosine) and on the out-of-domain text, with the
+    min–max over seeds where there are several. Empty when the rows lack these metrics."""
+    import pandas as pd
+
+    from mxd_lens.layers import arch_label
+
+    if "always_on" not in summary or "ood_kl" not in summary:
+        return ""
+
+    def spread(r, metric, fmt):
+        value = format(r[metric], fmt)
+        if r.seeds > 1 and f"{metric}_min" in r:
+            value += f" [{format(r[f'{metric}_min'], fmt)}, {format(r[f'{metric}_max'], fmt)}]"
+        return value
+
+    rows = [
+        {
+            "block": int(r.block), "K": int(r.k), "method": arch_label(r.method), "seeds": int(r.seeds),
+            "L0": spread(r, "l0", ".1f"), "always on": f"{r.always_on:.0f}",
+            "effective": f"{r.effective_units:.1f}", "top-1 FVU": f"{r.top1_fvu:.2f}",
+            "silent": f"{100 * r.dead_fraction:.0f}%", "KL": spread(r, "kl", ".4f"), "ΔCE": f"{r.delta_ce:+.4f}",
+            "FVU": f"{r.fvu:.3f}", "Jacobian cos": f"{r.jacobian_cos:.2f}",
+            "KL (OOD)": spread(r, "ood_kl", ".4f"), "ΔCE (OOD)": f"{r.ood_delta_ce:+.4f}", "FVU (OOD)": f"{r.ood_fvu:.3f}",
+        }
+        for _, r in summary.iterrows()
+    ]  # fmt: skip
+    return pd.DataFrame(rows).to_markdown(index=False, disable_numparse=True)
 
 
 def summary_markdown(summary: Any) -> str:
@@ -338,7 +377,9 @@ def plot_frontier(table: Any, path: Path | None = None, x: str = "k", prefix: st
             ax.set_xscale("log", base=2)
             ax.set_yscale(scale)
             ax.set_xticks(ks, labels=[str(k) for k in ks])
-            ax.set_xlabel("K (active units per token)" if x == "k" else "L0 measured (active codes per token)")
+            ax.set_xlabel(
+                "K (active units per token)" if x == "k" else "L0 measured (active codes per token)"
+            )
             where = " (out-of-domain text)" if prefix == "ood_" else ""
             ax.set_title(f"block {block}: {title}{where}", fontsize=10)
             ax.grid(alpha=0.3)
