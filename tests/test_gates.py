@@ -287,3 +287,38 @@ def test_evaluate_reports_the_jacobian_cosine_of_an_exact_copy_as_one():
     transcoder.cfg.metadata = MxD.from_mlp(model, 1).cfg.metadata
     (row,) = evaluate(model, [transcoder], batches, progress=False)
     assert -1 <= row["jacobian_cos"] < 0.9
+
+
+def test_signed_codes_splice_and_pool_as_written(tmp_path):
+    """A topk-gate MxD spliced at hook_mlp_out gives the model a hand-written MLP replacement gives, and
+    probing's pooled codes are the mean over tokens of its signed codes."""
+    import mxd_lens
+    from mxd_lens import hooks
+    from mxd_lens.analysis.probing import pooled_activations
+
+    from conftest import WORDS, make_text_model
+
+    model, _ = make_text_model(tmp_path, kind="gated")
+    layer = randomise(MxD.for_model(model, 1, d_sae=24, k=4, gate="topk"), scale=0.5)
+    with torch.no_grad():
+        layer.b_enc.sub_(3.0)  # many selected codes negative
+    tokens = torch.randint(0, model.cfg.d_vocab, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        with mxd_lens.splice(model, layer):
+            spliced = model(tokens)
+        handle = hooks.mlp_module(model, 1).register_forward_hook(lambda m, i, o: layer(i[0]).to(o.dtype))
+        try:
+            by_hand = model(tokens)
+        finally:
+            handle.remove()
+    torch.testing.assert_close(spliced, by_hand, rtol=1e-5, atol=1e-5)
+    texts = [" ".join(WORDS[:4]), " ".join(WORDS[4:7])]
+    pooled = pooled_activations(model, {"mxd": layer}, texts, context_size=12, progress=False)["mxd"]
+    from mxd_lens.analysis.probing import tokenize_texts
+
+    for i, ids in enumerate(tokenize_texts(model, texts, 12)):
+        with torch.no_grad(), hooks.capture_mlp_io(model, [1]) as io:
+            model(torch.tensor([ids]))
+            codes = layer.encode(io[1]["in"])[0, int(model.cfg.default_prepend_bos) :]
+        assert (codes < 0).any()
+        torch.testing.assert_close(pooled[i], codes.mean(0), rtol=1e-5, atol=1e-6)
