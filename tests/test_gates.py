@@ -292,11 +292,11 @@ def test_evaluate_reports_the_jacobian_cosine_of_an_exact_copy_as_one():
 def test_signed_codes_splice_and_pool_as_written(tmp_path):
     """A topk-gate MxD spliced at hook_mlp_out gives the model a hand-written MLP replacement gives, and
     probing's pooled codes are the mean over tokens of its signed codes."""
+    from conftest import WORDS, make_text_model
+
     import mxd_lens
     from mxd_lens import hooks
     from mxd_lens.analysis.probing import pooled_activations
-
-    from conftest import WORDS, make_text_model
 
     model, _ = make_text_model(tmp_path, kind="gated")
     layer = randomise(MxD.for_model(model, 1, d_sae=24, k=4, gate="topk"), scale=0.5)
