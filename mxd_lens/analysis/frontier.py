@@ -376,7 +376,8 @@ def plot_frontier(table: Any, path: Path | None = None, x: str = "k", prefix: st
             ax = axes[row, col]
             ax.set_xscale("log", base=2)
             ax.set_yscale(scale)
-            ax.set_xticks(ks, labels=[str(k) for k in ks])
+            if x == "k":
+                ax.set_xticks(ks, labels=[str(k) for k in ks])
             ax.set_xlabel(
                 "K (active units per token)" if x == "k" else "L0 measured (active codes per token)"
             )
