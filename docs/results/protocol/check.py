@@ -58,9 +58,10 @@ for text, batches in texts.items():
                 sums[n][2] += float(active.sum())
                 sums[n][3] += active.shape[0]
                 usage[n] += active.sum(0).float()
-    print(f"{text}: {count} predicted tokens, clean CE {clean_sum / count:.5f}")
+    print(f"{text}: {count} predicted tokens, clean CE {clean_sum / count:.5f}", flush=True)
     for n, (ce, kl, l0, tok) in sums.items():
         always = int((usage[n] > tok / 2).sum())
         print(
-            f"  {n}: ΔCE {(ce - clean_sum) / count:+.5f} KL {kl / count:.5f} L0 {l0 / tok:.2f} always-on {always}"
+            f"  {n}: ΔCE {(ce - clean_sum) / count:+.5f} KL {kl / count:.5f} L0 {l0 / tok:.2f} always-on {always}",
+            flush=True,
         )
