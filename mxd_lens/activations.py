@@ -328,6 +328,29 @@ def _shard_problem(path: Path, record: dict[str, Any] | None, info: StreamInfo, 
     return None
 
 
+def _writer_pid(path: Path) -> str | None:
+    """The pid named in ``path/.lock`` while another process holds the writer's lock; None when no
+    one writes ``path`` now (a shared lock cannot be taken while the writer holds its exclusive one)."""
+    import fcntl
+
+    lock = path / LOCK
+    if not lock.is_file():
+        return None
+    try:
+        fd = os.open(lock, os.O_RDONLY)
+    except OSError:  # unreadable lock file: nothing to learn from it
+        return None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return lock.read_text().strip() or "unknown"
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    finally:
+        os.close(fd)
+
+
 @contextmanager
 def cache_lock(path: str | Path) -> Iterator[None]:
     """Hold the writer's lock on the cache folder ``path`` (``flock`` on ``path/.lock``, which names
@@ -509,6 +532,11 @@ class CachedActivations:
         if not manifest_path.is_file():
             raise FileNotFoundError(
                 f"{self.path} is not an activation cache (no {MANIFEST}); write one with `mxd-lens cache`"
+            )
+        if (writer := _writer_pid(self.path)) is not None:
+            raise CacheLockedError(
+                f"{self.path} is still being written by `mxd-lens cache` (pid {writer}, per {self.path / LOCK}): "
+                "it holds only the shards written so far; wait for it to finish, then start again"
             )
         manifest = json.loads(manifest_path.read_text())
         self.info = StreamInfo(**manifest["stream"])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
 from dataclasses import dataclass, field
@@ -636,6 +637,11 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="mxd-lens", description="Sparse MLP replacements for TransformerLens models."
     )
+    parser.add_argument(
+        "--debug",
+        action="store_true",
+        help="show the full traceback of an error (also: MXD_LENS_DEBUG=1); without it, one line",
+    )
     # Subcommands are simple_parsing parsers, so a config dataclass becomes options (field docstrings as help).
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_subparser_class())
     commands = {  # name: (help, description, {dest: options dataclass}, function)
@@ -728,7 +734,24 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:  # a config dataclass refused its fields (e.g. neither --tokens nor --epochs)
         command = next((a for a in (sys.argv[1:] if argv is None else argv) if not a.startswith("-")), "")
         raise SystemExit(f"mxd-lens {command}: {err}") from err
-    return args.func(args)
+    if args.debug or os.environ.get("MXD_LENS_DEBUG", "") not in ("", "0"):
+        return args.func(args)
+    try:
+        return args.func(args)
+    except Exception as err:  # one line that names the verb; the traceback only on request
+        raise SystemExit(one_line_error(f"mxd-lens {args.command}", err)) from err
+
+
+USER_ERRORS = (ValueError, OSError, RuntimeError, LookupError)  # bad input or a bad file, not a bug here
+
+
+def one_line_error(where: str, err: BaseException) -> str:
+    """``where: message`` for an error whose message says what is wrong (the type is added for others,
+    which are more likely bugs), with how to see the traceback."""
+    message = str(err) or type(err).__name__
+    if not isinstance(err, USER_ERRORS):
+        message = f"{type(err).__name__}: {message}"
+    return f"{where}: {message}\n(for the traceback: mxd-lens --debug ..., or MXD_LENS_DEBUG=1)"
 
 
 if __name__ == "__main__":

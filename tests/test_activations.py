@@ -407,6 +407,9 @@ def test_a_second_writer_is_refused_naming_the_folder_and_the_holder(caches):
         assert holder.stdout.readline().strip() == "held"
         with pytest.raises(CacheLockedError, match=rf"pid {holder.pid}\b"):
             write_cache(source, path, n_blocks=5, progress=False)
+        # a reader is refused too: the folder holds only the shards written so far
+        with pytest.raises(CacheLockedError, match=rf"still being written .*pid {holder.pid}\b.*wait for it"):
+            CachedActivations(path)
     finally:
         holder.communicate("")
     write_cache(source, path, n_blocks=5, progress=False)  # released: the writer continues

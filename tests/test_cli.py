@@ -72,10 +72,32 @@ def test_cache_then_train_from_it_equals_training_live(tmp_path, text_model, cap
 def test_train_without_a_source_is_refused(tmp_path):
     with pytest.raises(SystemExit, match="give --cache DIR, or --model and --text"):
         main(["train", "--tokens", "1024", "--out", str(tmp_path)])
-    with pytest.raises(FileNotFoundError, match="not an activation cache"):
+    with pytest.raises(SystemExit, match="mxd-lens train: .*not an activation cache"):
         main(["train", "--cache", str(tmp_path / "none"), "--tokens", "1024", "--out", str(tmp_path)])
     with pytest.raises(SystemExit, match="mxd-lens train: give exactly one of total_tokens"):
         main(["train", "--cache", str(tmp_path / "none"), "--out", str(tmp_path)])  # no budget
+
+
+def test_errors_are_one_line_naming_the_verb_and_the_traceback_is_on_request(tmp_path, monkeypatch):
+    import subprocess
+    import sys
+
+    argv = ["train", "--cache", str(tmp_path / "none"), "--tokens", "1024", "--out", str(tmp_path)]
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    first, hint = str(info.value).split("\n")
+    assert first == f"mxd-lens train: {tmp_path / 'none'} is not an activation cache (no manifest.json); write one with `mxd-lens cache`"
+    assert "MXD_LENS_DEBUG=1" in hint
+    with pytest.raises(FileNotFoundError, match="not an activation cache"):
+        main(["--debug", *argv])
+    monkeypatch.setenv("MXD_LENS_DEBUG", "1")
+    with pytest.raises(FileNotFoundError, match="not an activation cache"):
+        main(argv)
+    monkeypatch.delenv("MXD_LENS_DEBUG")
+    # from the shell: no traceback, exit status 1
+    done = subprocess.run([sys.executable, "-m", "mxd_lens.cli", *argv], capture_output=True, text=True)
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert done.stderr.startswith("mxd-lens train: ") and done.stderr.count("\n") == 2
 
 
 def test_train_options_are_the_train_config_fields(capsys):

@@ -130,6 +130,35 @@ def test_run_probing_finds_the_planted_feature(text_model, tmp_path):
         layer.W_enc[:, 5] *= 2
     edited = store.get(text_model, examples, {"tc": layer}, [1], context_size=12, progress=False)
     torch.testing.assert_close(edited["tc"][:, 5], 2 * fresh["tc"][:, 5], atol=1e-5, rtol=1e-5)
+    # a damaged entry is recomputed, not an error
+    entry = tmp_path / "cache" / task_set.name / "tc.safetensors"
+    entry.write_bytes(entry.read_bytes()[:20])
+    (entry.with_suffix(".json")).write_text((entry.with_suffix(".json")).read_text()[:-3])
+    again = store.get(text_model, examples, {"tc": layer}, [1], context_size=12, progress=False)
+    torch.testing.assert_close(again["tc"], edited["tc"])
+    entry.write_bytes(entry.read_bytes()[:20])
+    again = store.get(text_model, examples, {"tc": layer}, [1], context_size=12, progress=False)
+    torch.testing.assert_close(again["tc"], edited["tc"])
+
+
+def test_pooled_cache_tells_apart_two_models_with_one_name(text_model, tmp_path):
+    """Two models both called ``cfg.model_name`` (e.g. two local folders named "model") must not share
+    pooled activations: the cache is keyed by the model's identity, not its short name."""
+    import copy
+
+    task_set = jsonl_task_set(labelled_file(tmp_path / "a.jsonl.xz", n_per_class=5), ["cat", "dog"], per_class=5)
+    examples = task_set.load()
+    other = copy.deepcopy(text_model)
+    with torch.no_grad():
+        other.blocks[0].mlp.W_in.mul_(-1.5)
+    assert other.cfg.model_name == text_model.cfg.model_name
+    store = probing.PooledCache(tmp_path / "cache")
+    first = store.get(text_model, examples, {}, [1], context_size=12, progress=False)
+    second = store.get(other, examples, {}, [1], context_size=12, progress=False)
+    expected = probing.pooled_activations(other, {}, examples.texts, [1], context_size=12, progress=False)
+    for key in expected:
+        torch.testing.assert_close(second[key], expected[key])
+    assert not torch.allclose(first["mlp_out.L1"], second["mlp_out.L1"])
 
 
 def test_pooled_cache_files_get_the_mode_open_would_give(text_model, tmp_path):

@@ -157,13 +157,25 @@ def _store(slot: dict[int, torch.Tensor], index: int):
     return hook
 
 
-def layer_fingerprint(layer: MLPReplacement) -> str:
-    """A digest of a layer's weights: the cache key that notices retrained or edited layers."""
+def layer_fingerprint(layer: torch.nn.Module) -> str:
+    """A digest of a module's weights: the cache key that notices retrained or edited layers."""
     digest = hashlib.blake2b(digest_size=8)
     for key, value in sorted(layer.state_dict().items()):
         digest.update(key.encode())
         digest.update(value.detach().float().cpu().contiguous().numpy().tobytes())
     return digest.hexdigest()
+
+
+def model_identity(model: HookedTransformer) -> dict[str, Any]:
+    """What identifies ``model`` for the pooled cache: the source ``load_model`` recorded (file or
+    config digests, hub revision), and for a model it did not load, a digest of its weights, so two
+    models with one ``cfg.model_name`` never share an entry."""
+    from mxd_lens.models import model_source
+
+    source = model_source(model)
+    if source.get("kind") == "unknown":
+        source["weights"] = layer_fingerprint(model)
+    return source
 
 
 class PooledCache:
@@ -189,7 +201,7 @@ class PooledCache:
 
         folder = self.root / examples.task_set.name
         texts_digest = hashlib.blake2b("\x00".join(examples.texts).encode(), digest_size=8).hexdigest()
-        stamp = {"model": model.cfg.model_name, "context_size": context_size, "texts": texts_digest}
+        stamp = {"model": model_identity(model), "context_size": context_size, "texts": texts_digest}
         wanted = {name: {**stamp, "weights": layer_fingerprint(layer)} for name, layer in layers.items()}
         kinds = [dense_key(kind, i) for i in dense_layers for kind in DENSE]
         kinds += [neuron_key(i) for i in dense_layers] if neurons else []
@@ -199,8 +211,11 @@ class PooledCache:
         for name, meta in wanted.items():
             path = folder / f"{name}.safetensors"
             if path.is_file() and (path.with_suffix(".json").is_file()):
-                if json.loads(path.with_suffix(".json").read_text()) == meta:
-                    found[name] = load_file(path)["pooled"]
+                try:  # a damaged entry (a killed write, a bad disk) is a cache miss: recomputed below
+                    if json.loads(path.with_suffix(".json").read_text()) == meta:
+                        found[name] = load_file(path)["pooled"]
+                except Exception:  # safetensors raises its own error type for a bad header or short file
+                    found.pop(name, None)
         missing_layers = {n: layer for n, layer in layers.items() if n not in found}
         missing_dense = [
             i for i in dense_layers if any(k not in found and k.endswith(f".L{i}") for k in kinds)
