@@ -418,6 +418,8 @@ def write_cache(
             existing = json.loads(manifest_path.read_text())
             if "model" not in existing:  # written before the model's source was recorded: not a difference
                 manifest.pop("model")
+            elif isinstance(existing["model"], dict) and "shape" not in existing["model"]:
+                manifest["model"] = {k: v for k, v in (manifest["model"] or {}).items() if k != "shape"}
             if existing != manifest:
                 raise ValueError(
                     f"{path} already holds a cache made with different settings:\n  there: {existing}\n  asked: {manifest}\n"

@@ -346,6 +346,9 @@ class EvalConfig:
     """the split's seed (default: the layers' training record, else StreamConfig's)"""
     write: bool = True
     """write the results into each layer's cfg.json and an eval.json beside it"""
+    allow_other_model: bool = False
+    """evaluate even when the model is not the one the layers were trained on (another file digest,
+    config digest or hub revision); the record then names the model used"""
 
 
 @dataclass

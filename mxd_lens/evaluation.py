@@ -401,7 +401,7 @@ def evaluate_saved(
     from mxd_lens.config import EvalConfig, StreamConfig
     from mxd_lens.fileio import atomic_write_text
     from mxd_lens.layers.io import layer_folders, load_layer
-    from mxd_lens.models import model_source
+    from mxd_lens.models import model_identity, model_source
 
     config = config or EvalConfig()
     paths = layer_folders(folders)
@@ -423,6 +423,16 @@ def evaluate_saved(
             check_disjoint(record or None, eval_info)
         except ValueError as err:
             raise ValueError(f"{name}: {err}") from None
+    if not config.allow_other_model:
+        here = model_identity(model_source(model))
+        for name, layer in layers.items():
+            recorded = (layer.cfg.metadata.training or {}).get("model") or {}
+            if "kind" in recorded and model_identity(recorded) != here:
+                raise ValueError(
+                    f"{name} was trained on {model_identity(recorded)}, but the model given is {here}: "
+                    "another model (or another copy of its weights); evaluate with the model it was trained "
+                    "on, or pass --allow-other-model to evaluate anyway (the record then names this model)"
+                )
     batches = held_out_batches(model, text, config.split, config.eval_tokens, config.context_size,
                                config.batch_rows, fraction, seed)  # fmt: skip
     rows = evaluate(model, layers, batches, progress=progress)

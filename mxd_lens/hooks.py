@@ -118,10 +118,22 @@ def check_fits(model: HookedTransformer, layer: MLPReplacement[Any], index: int)
     check_block(model, index)
     trained_on = layer.cfg.metadata.model_name
     if trained_on and trained_on != model.cfg.model_name:
-        raise ValueError(
-            f"{type(layer).__name__} was trained on {trained_on!r}, but this model is {model.cfg.model_name!r}; "
-            "set layer.cfg.metadata.model_name if they are the same model under another name"
-        )
+        # One model loaded from another source (a .gguf and its Hugging Face folder) has another name
+        # but the same architecture: the recorded shape decides, when the layer has one.
+        from mxd_lens.models import model_shape
+
+        training = getattr(layer.cfg.metadata, "training", None) or {}
+        recorded = (training.get("model") or {}).get("shape")
+        if recorded is None or recorded != model_shape(model):
+            why = (
+                "and records no model shape to compare"
+                if recorded is None
+                else f"and its recorded shape {recorded} differs from this model's {model_shape(model)}"
+            )
+            raise ValueError(
+                f"{type(layer).__name__} was trained on {trained_on!r}, but this model is {model.cfg.model_name!r} "
+                f"{why}; set layer.cfg.metadata.model_name if they are the same model under another name"
+            )
     d_model = model.cfg.d_model
     if layer.cfg.d_in != d_model or layer.cfg.d_out != d_model:
         raise ValueError(

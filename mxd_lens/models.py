@@ -157,16 +157,42 @@ def model_source(model: Any) -> dict[str, Any]:
     .gguf's sha256; a folder's config digest and, in a Hugging Face cache, its commit; a hub name's
     revision). A model not loaded by ``load_model`` gives its ``cfg.model_name`` only."""
     recorded = getattr(model, "mxd_lens_source", None)
-    return dict(recorded) if recorded else {"name": model.cfg.model_name, "kind": "unknown"}
+    if recorded:
+        return dict(recorded)
+    name = model.cfg.model_name
+    return {"name": name, "model_name": name, "kind": "unknown", "shape": model_shape(model)}
 
 
 def _with_source(model: Any, name: str, source: dict[str, Any]) -> Any:
     model_name = getattr(getattr(model, "cfg", None), "model_name", None)
     try:
         model.mxd_lens_source = {"name": str(name), "model_name": model_name, **source}
+        model.mxd_lens_source["shape"] = model_shape(model)
     except AttributeError:  # not a module (a stand-in in tests)
         pass
     return model
+
+
+SHAPE_FIELDS = ("n_layers", "d_model", "d_mlp", "n_heads", "d_vocab", "act_fn", "gated_mlp", "normalization_type")
+
+
+def model_shape(model: Any) -> dict[str, Any]:
+    """The architecture's sizes and kinds (``cfg`` fields), the same for one model loaded from any
+    source (a .gguf, its Hugging Face folder, the hub): what splicing a layer into it needs."""
+    return {key: getattr(model.cfg, key, None) for key in SHAPE_FIELDS}
+
+
+IDENTITY_FIELDS = ("kind", "sha256", "config_sha256", "repo_id", "revision", "tl_name")
+
+
+def model_identity(source: dict[str, Any]) -> dict[str, Any]:
+    """The part of a recorded model source (``model_source``) that names *which* weights: the kind of
+    source and its digests or hub revision (for a TransformerLens name, or a model load_model did not
+    load, the model's name). Paths and the name asked are left out: one file moved is the same model."""
+    identity = {key: source[key] for key in IDENTITY_FIELDS if key in source}
+    if source.get("kind") in ("transformer_lens", "unknown"):
+        identity["model_name"] = source.get("model_name", source.get("name"))
+    return identity
 
 
 def _named(tl_name: str | None) -> dict[str, Any]:

@@ -236,6 +236,33 @@ def test_eval_records_results_in_the_layer_and_info_shows_the_provenance(tmp_pat
         main(["eval", str(folder), "--model", "tiny", "--text", str(text_model), "--split", "all"])
 
 
+def test_eval_with_another_copy_of_the_model_is_refused_unless_allowed(tmp_path, monkeypatch):
+    """Same name, same shapes, another config digest: not the model the layer was trained on."""
+    import json
+
+    import mxd_lens.models
+    from mxd_lens.layers.io import load_layer
+
+    model, corpus = make_text_model(tmp_path)
+    source = {"name": "m", "model_name": model.cfg.model_name, "kind": "hf_folder", "path": "/x/m"}
+    model.mxd_lens_source = {**source, "config_sha256": "a" * 64}
+    monkeypatch.setattr(mxd_lens.models, "load_model", lambda name, **kw: model)
+    stream = ["--model", "m", "--text", str(corpus), "--context-size", "12", "--rows-per-block", "16"]
+    learn = ["--arch", "transcoder", "--k", "2", "--tokens", "320", "--batch-tokens", "32", "--no-progress"]
+    assert main(["train", *stream, "--blocks", "1", *learn, "--out", str(tmp_path / "run")]) == 0
+    folder = tmp_path / "run" / "final" / "L1.transcoder.k2.m8"
+    evaluate = ["eval", str(folder), "--model", "m", "--eval-tokens", "120", "--context-size", "12"]
+    model.mxd_lens_source = {**source, "path": "/elsewhere/m", "config_sha256": "a" * 64}  # moved: same
+    assert main(evaluate) == 0
+    model.mxd_lens_source = {**source, "config_sha256": "b" * 64}
+    with pytest.raises(SystemExit, match=r"L1.transcoder.k2.m8 was trained on .*'a{64}'.* the model given is .*'b{64}'.*--allow-other-model"):
+        main(evaluate)
+    assert main([*evaluate, "--allow-other-model"]) == 0
+    record = json.loads((folder / "cfg.json").read_text())["metadata"]["evaluation"]
+    assert record["model"]["config_sha256"] == "b" * 64
+    assert load_layer(folder).cfg.metadata.training["model"]["config_sha256"] == "a" * 64
+
+
 def test_tl_name_reaches_load_model_and_eval_reuses_the_recorded_one(tmp_path, monkeypatch):
     import mxd_lens.models
 

@@ -156,3 +156,24 @@ def test_metadata_names_the_hooks():
         "blocks.2.hook_mlp_out",
         "tiny-gpt2",
     )
+
+
+def test_a_model_under_another_name_fits_when_the_recorded_shape_matches():
+    """A layer trained on a .gguf (model_name: the file stem) splices into the same model loaded from its
+    Hugging Face folder (another name): the shape recorded at training decides; without one, or with
+    another shape, the name mismatch is refused as before."""
+    from mxd_lens.models import model_shape
+
+    model = make_model("gpt2")
+    layer = randomise(TopKTranscoder.for_model(model, 1, d_sae=8, k=2), 0)
+    layer.cfg.metadata.model_name = "SmolLM2-135M-Instruct.Q8_0"
+    with pytest.raises(ValueError, match="records no model shape"):
+        hooks.check_fits(model, layer, 1)
+    layer.cfg.metadata.training = {"model": {"kind": "gguf", "shape": model_shape(model)}}
+    hooks.check_fits(model, layer, 1)
+    with mxd_lens.splice(model, layer):
+        pass
+    wider = make_model("gpt2")
+    wider.cfg.n_layers += 1  # another architecture, same MLP widths
+    with pytest.raises(ValueError, match="recorded shape .* differs"):
+        hooks.check_fits(wider, layer, 1)
