@@ -28,7 +28,11 @@ attribution issue), not circuit-tracer's.
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import shutil
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -62,16 +66,38 @@ def circuit_tracer_tensors(layer: Any) -> dict[str, Any]:
     return {k: v.float().contiguous().cpu() for k, v in tensors.items()}
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _check_replaceable(out: Path) -> None:
+    """``out`` may be written: absent, an empty folder, or an earlier export (replaced whole)."""
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file; give a folder for the transcoder set")
+    if not out.is_dir() or not any(out.iterdir()):
+        return
+    names = {p.name for p in out.iterdir()}
+    earlier = (out / "config.yaml").is_file() and "exported_by: mxd-lens" in (out / "config.yaml").read_text()
+    if not earlier or any(n != "config.yaml" and not (n.startswith("layer_") and n.endswith(".safetensors")) for n in names):
+        raise ValueError(
+            f"--out {out} is not empty and is not an earlier mxd-lens export; give an empty or new folder"
+        )
+
+
 def export_circuit_tracer(layers: Sequence[str | Path] | str | Path, out: str | Path) -> Path:
     """Write ``layers`` (saved folders, or folders holding them) as a circuit-tracer transcoder set
-    in ``out``; see the module docstring. They must share K, width and skip-ness and replace
-    distinct blocks. Returns ``out``."""
+    in ``out``; see the module docstring. They must share K, width and skip-ness, be trained on one
+    model and replace distinct blocks. ``out`` must be new, empty or an earlier export, which is
+    replaced whole (written beside it, then swapped in). Returns ``out``."""
     import yaml
     from safetensors.torch import save_file
 
     from mxd_lens.fileio import atomic_write, atomic_write_text
     from mxd_lens.hooks import block_of
     from mxd_lens.layers.io import layer_folders, load_layer
+    from mxd_lens.models import model_identity
 
     loaded = [(folder, load_layer(folder)) for folder in layer_folders(layers)]
     by_block: dict[int, tuple[Path, Any]] = {}
@@ -85,11 +111,21 @@ def export_circuit_tracer(layers: Sequence[str | Path] | str | Path, out: str | 
     shapes = {(type(layer).__name__, layer.cfg.k, layer.cfg.d_sae) for _, layer in by_block.values()}
     if len(shapes) > 1:
         raise ValueError(f"a transcoder set has one architecture, K and width; got {sorted(shapes)}")
+    models = {}
+    for folder, layer in by_block.values():
+        recorded = (layer.cfg.metadata.training or {}).get("model") or {}
+        identity = model_identity(recorded) if "kind" in recorded else {"model_name": layer.cfg.metadata.model_name}
+        models.setdefault(json.dumps(identity, sort_keys=True), []).append(folder.name)
+    if len(models) > 1:
+        listed = "; ".join(f"{', '.join(names)}: {key}" for key, names in models.items())
+        raise ValueError(f"a transcoder set is for one model, but these layers were trained on different ones: {listed}")
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    _check_replaceable(out)
+    # written whole into a fresh folder, then swapped in: no earlier export's file survives beside the new set
+    fresh = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent if out.parent.exists() else None))
     for block, (_, layer) in sorted(by_block.items()):
         tensors = circuit_tracer_tensors(layer)
-        atomic_write(out / f"layer_{block}.safetensors", lambda tmp, t=tensors: save_file(t, tmp))
+        atomic_write(fresh / f"layer_{block}.safetensors", lambda tmp, t=tensors: save_file(t, tmp))
     first = next(iter(by_block.values()))[1]
     config = {
         "model_kind": "transcoder_set",
@@ -101,7 +137,16 @@ def export_circuit_tracer(layers: Sequence[str | Path] | str | Path, out: str | 
         "exported_by": "mxd-lens",
         "blocks": sorted(by_block),
     }
-    atomic_write_text(out / "config.yaml", yaml.safe_dump(config, sort_keys=False))
+    atomic_write_text(fresh / "config.yaml", yaml.safe_dump(config, sort_keys=False))
+    os.chmod(fresh, 0o777 & ~_umask())
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if out.exists():
+        old = out.with_name(f".{out.name}.old-{os.getpid()}")
+        os.replace(out, old)
+        os.replace(fresh, out)
+        shutil.rmtree(old)
+    else:
+        os.replace(fresh, out)
     missing = sorted(set(range(max(by_block) + 1)) - set(by_block))
     if missing:
         log.warning(

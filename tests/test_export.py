@@ -69,3 +69,34 @@ def test_mxd_and_mixed_sets_are_refused(tmp_path):
     TopKTranscoder.for_model(model, 1, d_sae=8, k=3).save_model(tmp_path / "mixed" / "b")
     with pytest.raises(SystemExit, match="one architecture, K and width"):
         main(["export", str(tmp_path / "mixed"), "--out", str(tmp_path / "o2")])
+
+
+def test_an_earlier_export_is_replaced_whole_and_other_folders_are_refused(tmp_path):
+    model = make_model("gated")
+    for block in (0, 1):
+        TopKTranscoder.for_model(model, block, d_sae=8, k=2).save_model(tmp_path / "both" / f"L{block}")
+    TopKTranscoder.for_model(model, 1, d_sae=8, k=2).save_model(tmp_path / "one" / "L1")
+    assert main(["export", str(tmp_path / "both"), "--out", str(tmp_path / "ct")]) == 0
+    assert main(["export", str(tmp_path / "one"), "--out", str(tmp_path / "ct")]) == 0
+    assert sorted(p.name for p in (tmp_path / "ct").iterdir()) == ["config.yaml", "layer_1.safetensors"]
+    assert yaml.safe_load((tmp_path / "ct/config.yaml").read_text())["blocks"] == [1]
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temporary left
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep")
+    with pytest.raises(SystemExit, match="mine is not empty and is not an earlier mxd-lens export"):
+        main(["export", str(tmp_path / "one"), "--out", str(tmp_path / "mine")])
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "keep"
+    (tmp_path / "file").write_text("")
+    with pytest.raises(SystemExit, match="file is a file; give a folder"):
+        main(["export", str(tmp_path / "one"), "--out", str(tmp_path / "file")])
+
+
+def test_layers_trained_on_different_models_are_refused(tmp_path):
+    model = make_model("gated")
+    for block, digest in ((0, "a"), (1, "b")):
+        layer = TopKTranscoder.for_model(model, block, d_sae=8, k=2)
+        layer.cfg.metadata.training = {"model": {"kind": "gguf", "sha256": digest * 64}}
+        layer.save_model(tmp_path / "two" / f"L{block}")
+    with pytest.raises(SystemExit, match="for one model, but these layers were trained on different ones"):
+        main(["export", str(tmp_path / "two"), "--out", str(tmp_path / "ct")])
+    assert not (tmp_path / "ct").exists()
