@@ -195,15 +195,27 @@ def _info(args: argparse.Namespace) -> int:
     data and its digests, tokens, epochs, library version) and, once evaluated, its evaluation."""
     from mxd_lens.layers.io import describe_layer, layer_folders
 
+    from mxd_lens.layers.io import check_layer_folder
+
     try:
         folders = layer_folders(args.layers.layers)
     except (ValueError, FileNotFoundError) as err:
         raise SystemExit(f"mxd-lens info: {err}") from None
+    damaged = 0
     for folder in folders:
         print(f"{folder}\n")
-        print(describe_layer(folder).to_markdown(index=False))
+        problem = check_layer_folder(folder)
+        if problem is not None:
+            damaged += 1
+            print(f"PROBLEM: {problem}\n")
+        try:
+            print(describe_layer(folder).to_markdown(index=False))
+        except ValueError:  # cfg.json unreadable: the problem above says so
+            pass
         print()
-    return 0
+    if damaged:
+        print(f"{damaged} of {len(folders)} layer folder(s) cannot be loaded (PROBLEM above)")
+    return 1 if damaged else 0
 
 
 def _threads(n: int) -> None:

@@ -19,13 +19,14 @@ populated once also loads offline with ``HF_HUB_OFFLINE=1``.)
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from mxd_lens.layers.io import layer_folders
+from mxd_lens.layers.io import layer_folders, load_layer
 
 FILES = ("cfg.json", "sae_weights.safetensors")
 
@@ -35,17 +36,31 @@ def stage(paths: str | Path | Sequence[str | Path], repo_id: str, folder: str | 
     empty or absent): a folder per layer and README.md. Returns ``folder``."""
     _check_repo_id(repo_id)
     layers = layer_folders(paths)
+    for layer in layers:  # every layer loads (a truncated weights file is named) before anything is written
+        load_layer(layer)
     folder = Path(folder)
-    if folder.exists() and any(folder.iterdir()):
+    if folder.exists() and (not folder.is_dir() or any(folder.iterdir())):
         raise FileExistsError(f"{folder} is not empty; stage into a new folder")
-    folder.mkdir(parents=True, exist_ok=True)
-    cards = []
-    for layer in layers:
-        (folder / layer.name).mkdir()
-        for name in FILES:
-            shutil.copy2(layer / name, folder / layer.name / name)
-        cards.append((layer.name, json.loads((layer / "cfg.json").read_text())))
-    (folder / "README.md").write_text(model_card(repo_id, cards), encoding="utf-8")
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    # written into a temporary folder beside it and moved into place: a failure leaves nothing
+    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
+    try:
+        cards = []
+        for layer in layers:
+            (tmp / layer.name).mkdir()
+            for name in FILES:
+                shutil.copy2(layer / name, tmp / layer.name / name)
+            cards.append((layer.name, json.loads((layer / "cfg.json").read_text())))
+        (tmp / "README.md").write_text(model_card(repo_id, cards), encoding="utf-8")
+        mask = os.umask(0)
+        os.umask(mask)
+        os.chmod(tmp, 0o777 & ~mask)
+        if folder.exists():
+            folder.rmdir()  # empty (checked above)
+        os.replace(tmp, folder)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return folder
 
 
@@ -153,6 +168,12 @@ def model_card(repo_id: str, layers: Sequence[tuple[str, dict[str, Any]]]) -> st
 
 
 def _check_repo_id(repo_id: str) -> None:
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
     parts = repo_id.split("/")
     if len(parts) != 2 or not all(parts):
         raise ValueError(f"repo_id {repo_id!r} must be 'user_or_org/name'")
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError as err:
+        raise ValueError(f"repo_id {repo_id!r} is not a valid hub repository id: {err}") from None

@@ -263,6 +263,35 @@ def test_eval_with_another_copy_of_the_model_is_refused_unless_allowed(tmp_path,
     assert load_layer(folder).cfg.metadata.training["model"]["config_sha256"] == "a" * 64
 
 
+def test_info_flags_folders_that_cannot_load(tmp_path, capsys):
+    import json
+
+    from conftest import make_model
+
+    from mxd_lens.layers import MxD, TopKTranscoder
+
+    model = make_model("gpt2")
+    names = ["good", "no_weights", "other_shapes", "unknown_arch", "garbled_cfg"]
+    for name in names:
+        TopKTranscoder.for_model(model, 1, d_sae=8, k=2).save_model(tmp_path / name)
+    (tmp_path / "no_weights" / "sae_weights.safetensors").unlink()
+    MxD.for_model(model, 1, d_sae=4, k=2).save_model(tmp_path / "mxd")
+    cfg = json.loads((tmp_path / "other_shapes" / "cfg.json").read_text())
+    (tmp_path / "other_shapes" / "cfg.json").write_text(json.dumps({**cfg, "d_sae": 16}))
+    (tmp_path / "unknown_arch" / "cfg.json").write_text(json.dumps({**cfg, "architecture": "jumprelu"}))
+    (tmp_path / "garbled_cfg" / "cfg.json").write_text(json.dumps(cfg)[:40])
+    capsys.readouterr()
+    assert main(["info", str(tmp_path / "good")]) == 0
+    assert "PROBLEM" not in capsys.readouterr().out
+    assert main(["info", *(str(tmp_path / n) for n in names[1:])]) == 1
+    out = capsys.readouterr().out
+    assert re.search(r"PROBLEM: .*no_weights lacks \['sae_weights.safetensors'\]", out)
+    assert re.search(r"PROBLEM: .*other_shapes: weights do not fit TopKTranscoder.* wrong shape", out)
+    assert re.search(r"PROBLEM: .*unknown_arch holds architecture 'jumprelu'", out)
+    assert re.search(r"PROBLEM: .*garbled_cfg/cfg.json is not valid JSON", out)
+    assert "4 of 4 layer folder(s) cannot be loaded" in out
+
+
 def test_tl_name_reaches_load_model_and_eval_reuses_the_recorded_one(tmp_path, monkeypatch):
     import mxd_lens.models
 

@@ -49,6 +49,34 @@ def test_dry_run_writes_the_saelens_layout_and_a_model_card(run, tmp_path, capsy
         main(["publish", str(final), "--repo-id", "tiny", "--dry-run", str(tmp_path / "out2")])
 
 
+def test_a_damaged_layer_is_named_and_nothing_is_staged_or_uploaded(run, tmp_path):
+    from mxd_lens.hub import publish
+
+    final, _ = run
+    weights = final / "L1.mxd.k2.m8" / "sae_weights.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-40])
+    with pytest.raises(SystemExit, match=r"L1.mxd.k2.m8/sae_weights\.safetensors is not a readable safetensors file"):
+        main(["publish", str(final), "--repo-id", "user/tiny", "--dry-run", str(tmp_path / "out")])
+    assert not (tmp_path / "out").exists()
+
+    class NoUpload:
+        def create_repo(self, *args, **kwargs):
+            raise AssertionError("nothing may reach the hub")
+
+        upload_folder = create_repo
+
+    with pytest.raises(ValueError, match="not a readable safetensors file"):
+        publish(final, "user/tiny", api=NoUpload())
+
+
+def test_a_repo_id_the_hub_would_refuse_is_refused_here(run, tmp_path):
+    final, _ = run
+    for bad in ("user/bad name!", "user/a..b", "user/a--b"):
+        with pytest.raises(SystemExit, match="not a valid hub repository id"):
+            main(["publish", str(final), "--repo-id", bad, "--dry-run", str(tmp_path / "out")])
+    assert not (tmp_path / "out").exists()
+
+
 def test_upload_is_one_commit_of_the_staged_files(run):
     from mxd_lens.hub import publish
 
@@ -97,6 +125,44 @@ def test_from_pretrained_reads_a_populated_hub_cache_offline(run, tmp_path, monk
         assert json.loads((repo / "snapshots" / commit / name / "cfg.json").read_text())["metadata"][
             "evaluation"
         ]
+
+
+def test_damaged_files_are_named_by_saelens_own_loaders(run, tmp_path, monkeypatch):
+    """SAE.load_from_disk and SAE.from_pretrained (a damaged hub-cache entry) name the file, and for the
+    hub say force_download=True; the original error is chained."""
+    import shutil
+
+    from mxd_lens.hub import stage
+    from mxd_lens.layers.io import DamagedLayerError
+
+    final, _ = run
+    folder = final / "L1.mxd.k2.m8"
+    cfg = folder / "cfg.json"
+    cfg.write_text(cfg.read_text()[:50])
+    with pytest.raises(DamagedLayerError, match=rf"{cfg} is not valid JSON") as info:
+        SAE.load_from_disk(folder)
+    assert isinstance(info.value.__cause__, json.JSONDecodeError)
+    weights = final / "L1.skip_transcoder.k2.m8" / "sae_weights.safetensors"
+    good = weights.read_bytes()
+    weights.write_bytes(good[: len(good) // 2])
+    with pytest.raises(DamagedLayerError, match=rf"{weights} is not a readable safetensors file"):
+        SAE.load_from_disk(weights.parent)
+    weights.write_bytes(good)
+    staged = stage(weights.parent, "user/tiny", tmp_path / "staged")
+    cache, commit = tmp_path / "hub", "0123456789abcdef0123456789abcdef01234567"
+    repo = cache / "models--user--tiny"
+    shutil.copytree(staged, repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    (repo / ".no_exist" / commit / "L1.skip_transcoder.k2.m8").mkdir(parents=True)
+    (repo / ".no_exist" / commit / "L1.skip_transcoder.k2.m8" / "sparsity.safetensors").touch()
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    SAE.from_pretrained("user/tiny", "L1.skip_transcoder.k2.m8")  # whole: loads
+    cached = repo / "snapshots" / commit / "L1.skip_transcoder.k2.m8" / "cfg.json"
+    cached.write_text("{")
+    with pytest.raises(DamagedLayerError, match=r"cfg\.json is not valid JSON.*force_download=True"):
+        SAE.from_pretrained("user/tiny", "L1.skip_transcoder.k2.m8")
 
 
 def shutil_copytree(src, dst):

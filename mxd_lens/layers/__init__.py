@@ -30,8 +30,11 @@ BUILT_IN = {"mxd": MxD, "transcoder": TopKTranscoder, "skip_transcoder": TopKSki
 def register() -> None:
     """Register our architectures (here and with SAELens, so ``SAE.load_from_disk`` /
     ``from_pretrained`` build them). Idempotent, and a re-import replaces stale classes."""
+    from mxd_lens.layers.io import name_damaged_files_in_sae_lens_loaders
+
     for key, layer_cls in BUILT_IN.items():
         register_architecture(key, layer_cls)
+    name_damaged_files_in_sae_lens_loaders()
 
 
 def __getattr__(name: str) -> Any:

@@ -74,6 +74,17 @@ def layer_folders(paths: str | Path | list[str | Path]) -> list[Path]:
     return list(found.values())
 
 
+def check_layer_folder(folder: str | Path) -> str | None:
+    """What stops ``folder`` from loading as one of our layers (None: it loads): a missing or damaged
+    file, an architecture we do not know, weights whose shapes disagree with cfg.json."""
+    try:
+        load_layer(folder)
+    except Exception as err:
+        message = " ".join(str(err).split())
+        return message if str(folder) in message else f"{folder}: {message}"
+    return None
+
+
 def load_layers(paths: str | Path | list[str | Path], device: str = "cpu") -> dict[str, MLPReplacement]:
     """Layers by folder name from layer folders, or folders holding them one level down (as a
     trainer's ``final/`` or the frontier's ``runs/*/final/``)."""
@@ -91,6 +102,8 @@ def describe_layer(folder: str | Path) -> Any:
         cfg = json.loads((path / SAE_CFG_FILENAME).read_text())
     except FileNotFoundError:
         raise FileNotFoundError(f"{path} holds no {SAE_CFG_FILENAME}: not a saved layer") from None
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path / SAE_CFG_FILENAME} is not valid JSON (truncated or damaged?): {err}") from None
     meta = cfg.get("metadata") or {}
     training = meta.get("training") or {}
     evaluation = meta.get("evaluation") or {}
@@ -133,3 +146,88 @@ def describe_layer(folder: str | Path) -> Any:
     else:
         rows.append(("evaluation", "none yet (mxd-lens eval FOLDER)"))
     return pd.DataFrame([(k, "—" if v is None else str(v)) for k, v in rows], columns=["field", "value"])
+
+
+def damaged_files(folder: str | Path) -> list[str]:
+    """What is wrong with a saved layer folder's two files (empty: both read): cfg.json not a JSON
+    object, sae_weights.safetensors without a readable header or shorter than its header says."""
+    folder = Path(folder)
+    problems = []
+    cfg = folder / SAE_CFG_FILENAME
+    if cfg.is_file():
+        try:
+            if not isinstance(json.loads(cfg.read_text()), dict):
+                problems.append(f"{cfg} does not hold a JSON object")
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            problems.append(f"{cfg} is not valid JSON (truncated or damaged?): {err}")
+    weights = folder / SAE_WEIGHTS_FILENAME
+    if weights.is_file():
+        try:
+            with safe_open(weights, framework="pt") as f:
+                f.keys()
+        except Exception as err:  # safetensors' own SafetensorError
+            problems.append(f"{weights} is not a readable safetensors file (truncated or damaged?): {err}")
+    return problems
+
+
+class DamagedLayerError(ValueError):
+    """A saved layer's cfg.json or weights file cannot be read; the message names the file."""
+
+
+_WRAPPED = "_mxd_lens_names_damaged_files"
+
+
+def name_damaged_files_in_sae_lens_loaders() -> None:
+    """Make ``SAE.load_from_disk`` and ``SAE.from_pretrained`` name the damaged file when they fail on
+    one (SAELens raises a bare ``JSONDecodeError`` / ``SafetensorError``): the error is re-raised as a
+    :class:`DamagedLayerError` (a ``ValueError``) naming the file, with the original chained; for a hub
+    download it also says to pass ``force_download=True``. Other errors pass through unchanged.
+    Installed once, when our architectures are registered."""
+    from sae_lens import SAE
+
+    disk = SAE.__dict__["load_from_disk"]
+    hub = SAE.__dict__["from_pretrained_with_cfg_and_sparsity"]
+    if getattr(disk.__func__, _WRAPPED, False):
+        return
+    load_from_disk, from_hub = disk.__func__, hub.__func__
+
+    def checked_load_from_disk(cls: Any, path: str | Path, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return load_from_disk(cls, path, *args, **kwargs)
+        except Exception as err:
+            problems = damaged_files(path) if Path(path).is_dir() else []
+            if problems:
+                raise DamagedLayerError("; ".join(problems)) from err
+            raise
+
+    def checked_from_hub(cls: Any, release: str, sae_id: str, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return from_hub(cls, release, sae_id, *args, **kwargs)
+        except Exception as err:
+            folder = _hub_cache_folder(release, sae_id)
+            problems = damaged_files(folder) if folder is not None else []
+            if problems:
+                raise DamagedLayerError(
+                    "; ".join(problems) + f" (the hub cache's copy of {release}/{sae_id}): download it again "
+                    f"with SAE.from_pretrained({release!r}, {sae_id!r}, force_download=True)"
+                ) from err
+            raise
+
+    for wrapper, original in ((checked_load_from_disk, load_from_disk), (checked_from_hub, from_hub)):
+        wrapper.__doc__, wrapper.__name__ = original.__doc__, original.__name__
+        setattr(wrapper, _WRAPPED, True)
+    SAE.load_from_disk = classmethod(checked_load_from_disk)
+    SAE.from_pretrained_with_cfg_and_sparsity = classmethod(checked_from_hub)
+
+
+def _hub_cache_folder(release: str, sae_id: str) -> Path | None:
+    """The local hub-cache folder holding ``release`` (a repo id) / ``sae_id``'s cfg.json, if cached."""
+    if "/" not in release:
+        return None
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        found = try_to_load_from_cache(release, f"{sae_id}/{SAE_CFG_FILENAME}")
+    except Exception:
+        return None
+    return Path(found).parent if isinstance(found, str) else None
