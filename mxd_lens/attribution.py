@@ -454,6 +454,12 @@ def single_token(model: Any, text: str) -> int:
     ids = model.to_tokens(text, prepend_bos=False)[0]
     if len(ids) != 1:
         raise ValueError(f"{text!r} is {len(ids)} tokens of this model's vocabulary; give one")
+    unk = getattr(model.tokenizer, "unk_token_id", None)
+    if unk is not None and int(ids[0]) == unk and text != model.tokenizer.unk_token:
+        raise ValueError(
+            f"{text!r} is not in this model's vocabulary (the tokenizer maps it to {model.tokenizer.unk_token!r}); "
+            "give a word the model has as one token"
+        )
     return int(ids[0])
 
 

@@ -281,6 +281,7 @@ def test_the_scripts_print_and_write_what_the_library_computes(tmp_path, monkeyp
     mxd_folders = [str(tmp_path / "final" / f"MxD.{block}") for block in (0, 1)]
     argv = ["--layers", *mxd_folders, "--prompt", "the cat sat on a", "--target", " mat", "--minus", " dogs"]
     argv += ["--context-tokens", "0", "--out", str(tmp_path / "one")]
+    argv_one = argv
     assert attribution_script.main(argv) == 0
     printed = capsys.readouterr().out
     with mxd_lens.splice(model, *layers[:2], error_term=True):
@@ -307,3 +308,6 @@ def test_the_scripts_print_and_write_what_the_library_computes(tmp_path, monkeyp
     assert (tmp_path / "study" / "attribution_study.csv").is_file()
     with pytest.raises(SystemExit, match="attribution_study: .*'hills green' is 2 tokens"):
         attribution_study.main(argv[:-2] + ["the cat|hills green"])
+    # a word outside the vocabulary would silently attribute the <unk> logit: refused
+    with pytest.raises(SystemExit, match=r"attribution: ' zebra' is not in this model's vocabulary .*<unk>"):
+        attribution_script.main(argv_one[:5] + ["--target", " zebra", "--out", str(tmp_path / "unk")])
