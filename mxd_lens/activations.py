@@ -163,8 +163,12 @@ class ModelActivations:
 
         kwargs.setdefault("drop_first_position", token_rows.prepend_bos)
         stream = cls(model, layers, rows, context_size=context_size, **kwargs)
+        local = data.resolve_text(text)
         stream.text_info = {
-            "text": str(text),
+            "text": data.text_name(text),
+            # a relative path also by its absolute one, so `mxd-lens eval` finds it from another folder
+            **({"path": str(local.resolve())} if local.exists() and not local.is_absolute()
+               and data.text_name(text) == str(text) else {}),  # fmt: skip
             "split": "train",
             "eval_fraction": eval_fraction,
             "split_seed": split_seed,
@@ -418,9 +422,7 @@ def write_cache(
             existing = json.loads(manifest_path.read_text())
             if "model" not in existing:  # written before the model's source was recorded: not a difference
                 manifest.pop("model")
-            elif isinstance(existing["model"], dict) and "shape" not in existing["model"]:
-                manifest["model"] = {k: v for k, v in (manifest["model"] or {}).items() if k != "shape"}
-            if existing != manifest:
+            if _comparable(existing) != _comparable(manifest):
                 raise ValueError(
                     f"{path} already holds a cache made with different settings:\n  there: {existing}\n  asked: {manifest}\n"
                     "write to a new folder, or delete this one"
@@ -487,6 +489,19 @@ def write_cache(
             f"the text ran out after {written} of {n_blocks} blocks; the cache at {path} holds {written}"
         )
     return path
+
+
+def _comparable(manifest: dict[str, Any]) -> dict[str, Any]:
+    """A manifest as far as it decides the shards' content: the text by its digests and split, not by
+    how its path was spelled (relative, absolute, a package resource name); the model by its identity."""
+    from mxd_lens.models import model_identity
+
+    text, model = manifest.get("text"), manifest.get("model")
+    if isinstance(text, dict) and "digests" in text:
+        text = {k: v for k, v in text.items() if k not in ("text", "path")}
+    if isinstance(model, dict) and "kind" in model:  # which weights, not where they were read from
+        model = model_identity(model)
+    return {**manifest, "text": text, "model": model}
 
 
 def _runs(indices: list[int]) -> list[list[int]]:

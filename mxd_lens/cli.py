@@ -164,30 +164,55 @@ def _eval(args: argparse.Namespace) -> int:
     """Splice each saved layer alone into the model on held-out text and measure ΔCE, KL, FVU, L0,
     dead fraction and CE recovered; the results go into each layer's cfg.json (metadata.evaluation)
     and an eval.json beside it, and a table is printed."""
-    import pandas as pd
-
     from mxd_lens.evaluation import evaluate_saved
     from mxd_lens.layers.io import layer_folders, load_layer
     from mxd_lens.models import load_model
 
     name, tl_name = args.model.model, args.model.tl_name
     if name is None:  # the model the first layer was trained on, when load_model can name it
-        record = (load_layer(layer_folders(args.layers.layers)[0]).cfg.metadata.training or {}).get(
-            "model"
-        ) or {}
-        name = record.get("name") or DEFAULT_MODEL
+        first = layer_folders(args.layers.layers)[0]
+        record = (load_layer(first).cfg.metadata.training or {}).get("model") or {}
+        name = recorded_model(record, first)
         tl_name = tl_name or record.get("tl_name")
+    from mxd_lens.evaluation import EvaluationNotRecorded
+
     try:
         rows = evaluate_saved(load_model(name, tl_name=tl_name), args.layers.layers, args.eval)
+    except EvaluationNotRecorded as err:
+        _print_eval_table(err.rows)
+        raise SystemExit(f"mxd-lens eval: {err}") from None
     except (ValueError, FileNotFoundError) as err:
         raise SystemExit(f"mxd-lens eval: {err}") from None
+    _print_eval_table(rows)
+    if args.eval.write:
+        print("\nrecorded in each layer's cfg.json (metadata.evaluation) and eval.json")
+    return 0
+
+
+def _print_eval_table(rows: list[dict[str, Any]]) -> None:
+    import pandas as pd
+
     table = pd.DataFrame(rows)
     columns = ["name", "delta_ce", "kl", "fvu", "l0", "always_on", "effective_units", "top1_fvu",
                "dead_fraction", "jacobian_cos", "ce_recovered_zero", "tokens"]  # fmt: skip
     print(table[[c for c in columns if c in table]].to_markdown(index=False, floatfmt=".4f"))
-    if args.eval.write:
-        print("\nrecorded in each layer's cfg.json (metadata.evaluation) and eval.json")
-    return 0
+
+
+def recorded_model(record: dict[str, Any], folder: Path) -> str:
+    """The model a layer's training record names, as ``load_model`` can load it from here: the name
+    as recorded, or for a local file or folder not found from this directory, the absolute path
+    recorded beside it; a ValueError naming the record when neither exists."""
+    name = record.get("name") or DEFAULT_MODEL
+    if record.get("kind") not in ("gguf", "hf_folder") or Path(name).expanduser().exists():
+        return name
+    if record.get("path") and Path(record["path"]).exists():
+        return record["path"]
+    if not ("/" in name or name.endswith(".gguf") or name.startswith((".", "~"))):
+        return name  # not spelled as a path: load_model says what it accepts
+    raise ValueError(
+        f"the model {name!r} named in {folder / 'cfg.json'} (metadata.training.model) is not found from "
+        f"{Path.cwd()}" + (f" nor at {record['path']}" if record.get("path") else "") + "; give --model"
+    )
 
 
 def _info(args: argparse.Namespace) -> int:

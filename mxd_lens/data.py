@@ -51,7 +51,7 @@ def iter_texts(
     is tried (the error says what was tried). A file that is not UTF-8, a broken ``.xz`` / ``.gz`` or
     a ``.jsonl`` line that is not a JSON object raise a ValueError naming the file when it is read.
     """
-    path = Path(source).expanduser()
+    path = resolve_text(source)
     files = _local_files(path)
     if files is not None:
         return (text for file in files for text in _iter_file(file, text_field))
@@ -72,7 +72,7 @@ def source_digests(source: str | os.PathLike) -> dict[str, str]:
     hashed, not documents). Raises the errors ``iter_texts`` would for a folder without supported
     files or a file of an unsupported type.
     """
-    path = Path(source).expanduser()
+    path = resolve_text(source)
     files = _local_files(path)
     if files is None:
         return {str(source): f"hf:{source}"}
@@ -426,6 +426,31 @@ def _batched(texts: Iterable[str], n: int) -> Iterator[list[str]]:
             batch = []
     if batch:
         yield batch
+
+
+PACKAGE_PREFIX = "mxd_lens:"  # a text shipped with the package, by resource name: "mxd_lens:resources/x.txt.xz"
+
+
+def text_name(source: str | os.PathLike) -> str:
+    """How a training record names ``source``: a file shipped with mxd-lens by its package resource name
+    (``mxd_lens:resources/...``, valid wherever the package is installed), anything else as given."""
+    from importlib.resources import files
+
+    package = Path(str(files("mxd_lens"))).resolve()
+    path = Path(source).expanduser()
+    if path.exists() and path.resolve().is_relative_to(package):
+        return PACKAGE_PREFIX + path.resolve().relative_to(package).as_posix()
+    return str(source)
+
+
+def resolve_text(source: str | os.PathLike) -> Path:
+    """The local path of ``source``: a package resource name (``text_name``) becomes the file in this
+    installation; a path is expanded (``~``)."""
+    from importlib.resources import files
+
+    if isinstance(source, str) and source.startswith(PACKAGE_PREFIX):
+        return Path(str(files("mxd_lens"))) / source.removeprefix(PACKAGE_PREFIX)
+    return Path(source).expanduser()
 
 
 def default_text() -> Path:

@@ -341,7 +341,9 @@ def _paths_overlap(train_text: Any, eval_text: Any) -> bool:
         return False
     if str(train_text) == str(eval_text):
         return True
-    a, b = (Path(str(t)).expanduser().resolve() for t in (train_text, eval_text))
+    from mxd_lens.data import resolve_text
+
+    a, b = (resolve_text(str(t)).resolve() for t in (train_text, eval_text))
     return a == b or (a.is_dir() and b.is_relative_to(a)) or (b.is_dir() and a.is_relative_to(b))
 
 
@@ -404,17 +406,19 @@ def evaluate_saved(
     from mxd_lens.models import model_identity, model_source
 
     config = config or EvalConfig()
+    if config.eval_tokens <= 0:
+        raise ValueError(f"--eval-tokens {config.eval_tokens}: evaluate at least one row of tokens")
     paths = layer_folders(folders)
     layers = {path.name: load_layer(path) for path in paths}
     trained = [(layer.cfg.metadata.training or {}).get("data") or {} for layer in layers.values()]
     first = trained[0]
-    text = config.text or first.get("text") or str(data.default_text())
+    text = config.text or _recorded_text(first, paths[0]) or str(data.default_text())
     same_text = config.text is None and first.get("text")
     fraction = config.eval_fraction if config.eval_fraction is not None else (
         first.get("eval_fraction", StreamConfig.eval_fraction) if same_text else StreamConfig.eval_fraction)  # fmt: skip
     seed = config.split_seed if config.split_seed is not None else (
         first.get("split_seed", StreamConfig.split_seed) if same_text else StreamConfig.split_seed)  # fmt: skip
-    eval_info = {"text": str(text), "split": config.split, "eval_fraction": fraction, "split_seed": seed,
+    eval_info = {"text": data.text_name(text), "split": config.split, "eval_fraction": fraction, "split_seed": seed,
                  "digests": data.source_digests(text)}  # fmt: skip
     if config.split == "all":
         eval_info.update(split="eval", eval_fraction=1.0)  # every document held out
@@ -437,17 +441,63 @@ def evaluate_saved(
                                config.batch_rows, fraction, seed)  # fmt: skip
     rows = evaluate(model, layers, batches, progress=progress)
     if config.write:
-        for path, row in zip(paths, rows, strict=True):
-            record = {
-                "metrics": {k: row[k] for k in EVAL_METRICS if k in row},
-                "text": {**eval_info, "split": config.split},
-                "tokens": row["tokens"],
-                "context_size": config.context_size,
-                "model": model_source(model),
-                "mxd_lens_version": __version__,
-            }
-            cfg = json.loads((path / "cfg.json").read_text())
-            cfg.setdefault("metadata", {})["evaluation"] = record
-            atomic_write_text(path / "cfg.json", json.dumps(cfg, indent=2))
-            atomic_write_text(path / "eval.json", json.dumps({**record, "row": row}, indent=1))
+        try:
+            _record_evaluations(paths, rows, eval_info, config, model)
+        except OSError as err:
+            raise EvaluationNotRecorded(rows, err) from err
     return rows
+
+
+def _recorded_text(record: Mapping[str, Any], folder: Path) -> str | None:
+    """The training text a layer records, as a source this process can read: a package resource name
+    as it is, a path as recorded when it exists from here, else the absolute path recorded beside it;
+    a recorded path found neither way is a ValueError that names where it came from."""
+    from mxd_lens.data import PACKAGE_PREFIX, _looks_like_path
+
+    text = record.get("text")
+    if text is None or str(text).startswith(PACKAGE_PREFIX) or Path(str(text)).expanduser().exists():
+        return text
+    if record.get("path") and Path(record["path"]).exists():
+        return record["path"]
+    if _looks_like_path(str(text)) or record.get("path"):
+        raise ValueError(
+            f"the training text {text!r} recorded in {folder / 'cfg.json'} (metadata.training.data.text) is not "
+            f"found from {Path.cwd()}" + (f" nor at {record['path']}" if record.get("path") else "")
+            + "; give --text"
+        )
+    return text  # a Hugging Face dataset name
+
+
+class EvaluationNotRecorded(OSError):
+    """The layers were evaluated but the result could not be written into their folders (read-only?);
+    ``rows`` holds what was measured."""
+
+    def __init__(self, rows: list[dict[str, Any]], err: OSError):
+        super().__init__(
+            f"measured, but not recorded in the layer folders ({err.strerror or err}: {err.filename}); "
+            "the table above is the result; to only print it, add --nowrite"
+        )
+        self.rows = rows
+
+
+def _record_evaluations(paths: Sequence[Path], rows: list[dict[str, Any]], eval_info: dict[str, Any],
+                        config: Any, model: Any) -> None:  # fmt: skip
+    import json
+
+    from mxd_lens import __version__
+    from mxd_lens.fileio import atomic_write_text
+    from mxd_lens.models import model_source
+
+    for path, row in zip(paths, rows, strict=True):
+        record = {
+            "metrics": {k: row[k] for k in EVAL_METRICS if k in row},
+            "text": {**eval_info, "split": config.split},
+            "tokens": row["tokens"],
+            "context_size": config.context_size,
+            "model": model_source(model),
+            "mxd_lens_version": __version__,
+        }
+        cfg = json.loads((path / "cfg.json").read_text())
+        cfg.setdefault("metadata", {})["evaluation"] = record
+        atomic_write_text(path / "cfg.json", json.dumps(cfg, indent=2))
+        atomic_write_text(path / "eval.json", json.dumps({**record, "row": row}, indent=1))

@@ -127,7 +127,7 @@ def load_model(
             model = _load_folder(
                 _converted_folder(path), device, dtype, fold_ln, special_tokens, path.stem, kwargs
             )
-            source = {"kind": "gguf", "file": path.name, "sha256": _file_sha256(path)}
+            source = {"kind": "gguf", "file": path.name, "path": str(path.resolve()), "sha256": _file_sha256(path)}
             return _with_source(model, name_or_path, {**source, **_named(tl_name)})
         if path.is_dir() and (path / "config.json").is_file():
             model = _load_folder(path, device, dtype, fold_ln, special_tokens, path.resolve().name, kwargs)

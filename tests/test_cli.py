@@ -292,6 +292,77 @@ def test_info_flags_folders_that_cannot_load(tmp_path, capsys):
     assert "4 of 4 layer folder(s) cannot be loaded" in out
 
 
+def test_eval_from_another_folder_finds_what_the_record_names_and_says_what_it_cannot(tmp_path, monkeypatch, capsys):
+    """Relative model and text paths recorded at training are found from another directory through the
+    absolute paths recorded beside them; a read-only layer folder keeps the measured table on screen;
+    --eval-tokens 0 is refused."""
+    import shutil
+
+    import mxd_lens.fileio
+    import mxd_lens.models
+
+    model, corpus = make_text_model(tmp_path)
+    work, other = tmp_path / "work", tmp_path / "other"
+    (work / "models" / "m").mkdir(parents=True)
+    other.mkdir()
+    shutil.copy(corpus, work / "corpus.txt")
+    asked = []
+    monkeypatch.setattr(mxd_lens.models, "load_model", lambda name, **kw: asked.append(name) or model)
+    model.mxd_lens_source = {"name": "models/m", "kind": "hf_folder", "path": str(work / "models" / "m"),
+                             "model_name": model.cfg.model_name, "config_sha256": "c" * 64}  # fmt: skip
+    monkeypatch.chdir(work)
+    stream = ["--model", "models/m", "--text", "corpus.txt", "--context-size", "12", "--rows-per-block", "16"]
+    learn = ["--arch", "transcoder", "--k", "2", "--tokens", "320", "--batch-tokens", "32", "--no-progress"]
+    assert main(["train", *stream, "--blocks", "1", *learn, "--out", "run"]) == 0
+    folder = work / "run" / "final" / "L1.transcoder.k2.m8"
+    monkeypatch.chdir(other)
+    assert main(["eval", str(folder), "--eval-tokens", "120", "--context-size", "12", "--write", "false"]) == 0
+    assert asked[-1] == str(work / "models" / "m")
+    with pytest.raises(SystemExit, match="--eval-tokens 0: evaluate at least one row"):
+        main(["eval", str(folder), "--eval-tokens", "0", "--context-size", "12"])
+
+    def read_only(path, text):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(mxd_lens.fileio, "atomic_write_text", read_only)
+    capsys.readouterr()
+    with pytest.raises(SystemExit, match=r"measured, but not recorded .*Permission denied.*--nowrite"):
+        main(["eval", str(folder), "--eval-tokens", "120", "--context-size", "12"])
+    assert "L1.transcoder.k2.m8" in capsys.readouterr().out and "delta_ce" not in (folder / "cfg.json").read_text()
+    (work / "corpus.txt").unlink()
+    with pytest.raises(SystemExit, match=r"training text 'corpus.txt' recorded in .*cfg.json .*not found from .*give --text"):
+        main(["eval", str(folder), "--eval-tokens", "120", "--context-size", "12"])
+    shutil.rmtree(work / "models")
+    with pytest.raises(SystemExit, match=r"the model 'models/m' named in .*cfg.json .*not found .*give --model"):
+        main(["eval", str(folder), "--eval-tokens", "120", "--context-size", "12"])
+
+
+def test_the_bundled_text_is_recorded_by_its_package_name(tmp_path, monkeypatch):
+    """A layer trained on the text shipped with mxd-lens records it as mxd_lens:resources/..., which
+    reads back wherever the package is installed (the absolute path would break once the checkout moves)."""
+    import json
+
+    import mxd_lens.models
+    from mxd_lens import data
+
+    model, _ = make_text_model(tmp_path)
+    monkeypatch.setattr(mxd_lens.models, "load_model", lambda name, **kw: model)
+    name = data.text_name(data.default_text())
+    assert name == "mxd_lens:resources/jane_austen_novels.txt.xz"
+    assert data.resolve_text(name) == data.default_text()
+    assert next(iter(data.iter_texts(name))) == next(iter(data.iter_texts(data.default_text())))
+    assert data.source_digests(name) == data.source_digests(data.default_text())
+    stream = ["--model", "tiny", "--text", str(data.default_text()), "--context-size", "12", "--rows-per-block", "16"]
+    learn = ["--arch", "transcoder", "--k", "2", "--tokens", "160", "--batch-tokens", "32", "--no-progress"]
+    assert main(["train", *stream, "--blocks", "1", *learn, "--out", str(tmp_path / "run")]) == 0
+    folder = tmp_path / "run" / "final" / "L1.transcoder.k2.m8"
+    recorded = json.loads((folder / "cfg.json").read_text())["metadata"]["training"]["data"]
+    assert recorded["text"] == name and "path" not in recorded
+    assert main(["eval", str(folder), "--model", "tiny", "--eval-tokens", "120", "--context-size", "12"]) == 0
+    evaluation = json.loads((folder / "cfg.json").read_text())["metadata"]["evaluation"]
+    assert evaluation["text"]["text"] == name
+
+
 def test_tl_name_reaches_load_model_and_eval_reuses_the_recorded_one(tmp_path, monkeypatch):
     import mxd_lens.models
 
