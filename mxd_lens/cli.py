@@ -763,13 +763,35 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+def _joined_negative_values(words: list[str]) -> list[str]:
+    """``--lr -1e-3`` as ``--lr=-1e-3``: argparse takes a word like ``-1e-3`` for an option (it knows
+    only plain negative numbers), so a negative value would be a usage error instead of reaching the
+    field's own check."""
+    out: list[str] = []
+    for word in words:
+        if out and out[-1].startswith("--") and "=" not in out[-1] and word.startswith("-") and _number(word):
+            out[-1] = f"{out[-1]}={word}"
+        else:
+            out.append(word)
+    return out
+
+
+def _number(word: str) -> bool:
+    try:
+        float(word)
+    except ValueError:
+        return False
+    return True
+
+
 def main(argv: list[str] | None = None) -> int:
-    words = sys.argv[1:] if argv is None else argv
+    argv = _joined_negative_values(sys.argv[1:] if argv is None else list(argv))
+    words = argv
     parser = build_parser(only=next((w for w in words if not w.startswith("-")), ""))
     try:
         args = parser.parse_args(argv)
     except ValueError as err:  # a config dataclass refused its fields (e.g. neither --tokens nor --epochs)
-        command = next((a for a in (sys.argv[1:] if argv is None else argv) if not a.startswith("-")), "")
+        command = next((a for a in argv if not a.startswith("-")), "")
         raise SystemExit(f"mxd-lens {command}: {err}") from err
     if args.debug or os.environ.get("MXD_LENS_DEBUG", "") not in ("", "0"):
         return args.func(args)

@@ -167,6 +167,14 @@ class TrainConfig:
             raise ValueError(f"grad_clip={self.grad_clip} must be > 0 (None turns clipping off)")
         if self.norm_tokens <= 0:
             raise ValueError(f"norm_tokens={self.norm_tokens} must be positive")
+        if self.checkpoint_every < 0:
+            raise ValueError(
+                f"checkpoint_every={self.checkpoint_every} (--checkpoint-every) must be >= 0 (0: only the final weights)"
+            )
+        if self.log_every <= 0:
+            raise ValueError(f"log_every={self.log_every} (--log-every) must be positive")
+        if self.keep_checkpoints < 1:
+            raise ValueError(f"keep_checkpoints={self.keep_checkpoints} (--keep-checkpoints) must be at least 1")
         self.betas = tuple(self.betas)
 
     def tokens_for(self, epoch_tokens: int | None) -> int:

@@ -89,6 +89,11 @@ class LearnerSpec:
             if clash:
                 raise ValueError(f"{self.arch!r}: {clash} given twice (in the arch string and in options)")
             self.arch, self.options = key, {**options, **self.options}
+        for name in ("k", "width_multiplier", "d_sae"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                option = "--" + name.replace("_", "-")
+                raise ValueError(f"{name}={value} ({option}) must be positive")
         if self.lr is not None and not (isinstance(self.lr, (int, float)) and 0 < self.lr < float("inf")):
             raise ValueError(f"{self.arch}: lr={self.lr!r} must be a positive number (None: the run's rate)")
         layer_cls = get_architecture(self.arch)  # a clear error for an unknown key
@@ -280,6 +285,20 @@ class Trainer(TrainingLoop):
         """Say up front what the token budget means for the stream, before any work is done."""
         if self.epoch_tokens is None or self.rank:
             return
+        if self.config.batch_tokens > self.epoch_tokens:
+            raise ValueError(
+                f"batch_tokens={self.config.batch_tokens:,} (--batch-tokens) is more than the whole cache "
+                f"({self.epoch_tokens:,} tokens): every step would repeat it; cache more text or use smaller batches"
+            )
+        if self.config.norm_tokens > self.epoch_tokens and self.config.normalize != "none":
+            sample = min(self.config.norm_tokens, self.total_tokens)
+            warnings.warn(
+                f"norm_tokens={self.config.norm_tokens:,} (--norm-tokens) is more than the cache holds "
+                f"({self.epoch_tokens:,} tokens): the normalisation scales are estimated on the first "
+                f"{sample:,} training tokens" + (", part of the cache read twice" if sample > self.epoch_tokens else "")
+                + "; cache more text or lower --norm-tokens",
+                stacklevel=3,
+            )
         epochs = self.total_tokens / self.epoch_tokens
         if epochs > 10:
             warnings.warn(

@@ -269,6 +269,24 @@ def test_bad_configs_are_refused(tmp_path):
         ).fit()
 
 
+def test_bad_sizes_from_the_shell_name_the_option(tmp_path, cache):
+    from mxd_lens.cli import main
+
+    base = ["train", "--cache", str(cache), "--arch", "transcoder", "--k", "2", "--no-progress"]
+    cases = [
+        (["--width-multiplier", "0"], r"width_multiplier=0 \(--width-multiplier\) must be positive"),
+        (["--checkpoint-every", "-1"], r"checkpoint_every=-1 \(--checkpoint-every\) must be >= 0"),
+        (["--lr", "-1e-3"], r"lr=-0.001 must be > 0"),  # a negative value reaches the field's check
+        (["--k", "-2"], r"k=-2 \(--k\) must be positive"),
+        (["--batch-tokens", "30000", "--tokens", "60000"], r"batch_tokens=30,000 \(--batch-tokens\) is more than the whole cache \(21,120 tokens\)"),
+    ]
+    for extra, message in cases:
+        with pytest.raises(SystemExit, match=message):
+            main([*base, "--tokens", "640", *extra, "--out", str(tmp_path / "run")])
+    with pytest.warns(UserWarning, match=r"norm_tokens=65,536 \(--norm-tokens\) is more than the cache holds \(21,120"):
+        main([*base, "--tokens", "3200", "--batch-tokens", "32", "--out", str(tmp_path / "ok")])
+
+
 def test_mlp_init_starts_from_the_host_weights(tmp_path):
     live = source("gated")
     trainer = Trainer(
