@@ -554,7 +554,7 @@ def _cache(args: argparse.Namespace) -> int:
     from mxd_lens.models import load_model
 
     stream = ModelActivations.from_config(
-        load_model(stream_config.model, tl_name=stream_config.tl_name), args.blocks, stream_config
+        load_model(stream_config.model or DEFAULT_MODEL, tl_name=stream_config.tl_name), args.blocks, stream_config
     )
     try:
         path = write_cache(
@@ -585,6 +585,22 @@ def _train(args: argparse.Namespace) -> int:
     model = None
     if args.cache:
         source = CachedActivations(args.cache, layers=args.blocks, shuffle=args.shuffle)
+        if stream_config.model:  # used (e.g. by --init mlp), so it must be the model the cache was made with
+            from mxd_lens.models import load_model, model_identity, model_source
+
+            model = load_model(stream_config.model, tl_name=stream_config.tl_name)
+            cached = source.model_source or {}
+            if "kind" in cached and model_identity(cached) != model_identity(model_source(model)):
+                raise SystemExit(
+                    f"mxd-lens train: --model {stream_config.model} is {model_identity(model_source(model))}, but "
+                    f"the cache {args.cache} was made with {model_identity(cached)}; give the cache's model or "
+                    "leave --model out"
+                )
+            if model.cfg.model_name != source.info.model_name:
+                raise SystemExit(
+                    f"mxd-lens train: --model {stream_config.model} is {model.cfg.model_name!r}, but the cache "
+                    f"{args.cache} was made with {source.info.model_name!r}; give the cache's model or leave --model out"
+                )
     else:
         if not (stream_config.model and stream_config.text):
             raise SystemExit(

@@ -252,7 +252,7 @@ class Trainer(TrainingLoop):
                 )
             if spec.init == "mlp":
                 if model is None:
-                    raise ValueError(f"{spec.name}: init='mlp' needs the model")
+                    raise ValueError(f"{spec.name}: init='mlp' needs the model (from a cache: give --model, the model the cache was made with)")
                 layer.copy_hidden_from_mlp(model, spec.block)  # rescaled once the scales are known
             # The fused Adam kernel is ~5x faster on CPU for tens of millions of parameters.
             # lr_scale: the learner's own rate relative to the run's, applied by the loop at every step

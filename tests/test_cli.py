@@ -69,6 +69,28 @@ def test_cache_then_train_from_it_equals_training_live(tmp_path, text_model, cap
         assert all(torch.equal(a[key], b[key]) for key in a)
 
 
+def test_model_with_a_cache_is_used_and_checked_and_cache_applies_the_default_model(tmp_path, monkeypatch):
+    import mxd_lens.models
+    from mxd_lens.models import DEFAULT_MODEL
+
+    model, corpus = make_text_model(tmp_path)
+    (tmp_path / "b").mkdir()
+    other, _ = make_text_model(tmp_path / "b")
+    other.cfg.model_name = "another"
+    asked = []
+    monkeypatch.setattr(mxd_lens.models, "load_model",
+                        lambda name, **kw: asked.append(name) or (other if name == "other" else model))  # fmt: skip
+    stream = ["--text", str(corpus), "--context-size", "12", "--rows-per-block", "16"]
+    assert main(["cache", *stream, "--blocks", "1", "--shards", "2", "--out", str(tmp_path / "cache")]) == 0
+    assert asked == [DEFAULT_MODEL]  # what --help names as the default
+    learn = ["--arch", "mxd", "--k", "2", "--tokens", "64", "--batch-tokens", "32", "--no-progress", "--init", "mlp"]
+    with pytest.raises(SystemExit, match="init='mlp' needs the model .*give --model"):
+        main(["train", "--cache", str(tmp_path / "cache"), *learn, "--out", str(tmp_path / "a")])
+    with pytest.raises(SystemExit, match="--model other is .*'another'.*, but the cache .* was made with"):
+        main(["train", "--cache", str(tmp_path / "cache"), "--model", "other", *learn, "--out", str(tmp_path / "b")])
+    assert main(["train", "--cache", str(tmp_path / "cache"), "--model", "m", *learn, "--out", str(tmp_path / "c")]) == 0
+
+
 def test_train_without_a_source_is_refused(tmp_path):
     with pytest.raises(SystemExit, match="give --cache DIR, or --model and --text"):
         main(["train", "--tokens", "1024", "--out", str(tmp_path)])
