@@ -29,6 +29,23 @@ class RunLocked(RuntimeError):
 
 
 write_text_atomic = atomic_write_text  # the name the SPD trainers import
+TMP_PREFIX = ".tmp-"  # a checkpoint folder being written: checkpoints/.tmp-step_000001000.XXXX
+
+
+def _umask() -> int:
+    umask = os.umask(0)
+    os.umask(umask)
+    return umask
+
+
+def remove_stale_checkpoint_temporaries(run_folder: str | Path) -> list[Path]:
+    """Remove half-written checkpoint folders a killed run left (``.tmp-step_*``); only safe while
+    holding the run's lock, as :class:`RunLock` does when it takes it. Returns what was removed."""
+    stale = [p for p in Path(run_folder).glob(f"*/{TMP_PREFIX}step_*") if p.is_dir()]
+    stale += [p for p in Path(run_folder).glob(f"{TMP_PREFIX}step_*") if p.is_dir()]
+    for path in stale:
+        shutil.rmtree(path, ignore_errors=True)
+    return stale
 
 
 def checkpoint_candidates(checkpoint_dir: str | Path) -> list[Path]:
@@ -65,18 +82,21 @@ def save_checkpoint_dir(checkpoint_dir: Path, step: int, fill: Callable[[Path], 
     checkpoint_dir.mkdir(parents=True, exist_ok=True)
     tmp = None
     try:
-        tmp = Path(tempfile.mkdtemp(dir=checkpoint_dir, prefix=f".tmp-{final.name}."))
+        tmp = Path(tempfile.mkdtemp(dir=checkpoint_dir, prefix=f"{TMP_PREFIX}{final.name}."))
+        os.chmod(tmp, 0o777 & ~_umask())  # as readable as any folder (mkdtemp's is 0700): a colleague can resume
         fill(tmp)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
+        tmp = None
         write_text_atomic(checkpoint_dir / "latest", final.name)
     except (OSError, RuntimeError) as err:
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
         raise CheckpointError(
             f"could not write checkpoint {final.name} ({err}); the last good checkpoint is "
             f"{latest_checkpoint(checkpoint_dir) or 'none'}; free disk space and resume"
         ) from err
+    finally:  # also on Ctrl-C: no half-written folder is left behind
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
     for old in sorted(checkpoint_dir.glob("step_*"))[: -max(keep, 1)]:
         if old != final:
             shutil.rmtree(old, ignore_errors=True)
@@ -111,6 +131,7 @@ class RunLock:
         handle.write(str(os.getpid()))
         handle.flush()
         self._handle = handle
+        remove_stale_checkpoint_temporaries(self.folder)  # no one else writes here while we hold the lock
         return self
 
     def release(self) -> None:

@@ -485,10 +485,11 @@ def _record_evaluations(paths: Sequence[Path], rows: list[dict[str, Any]], eval_
     import json
 
     from mxd_lens import __version__
-    from mxd_lens.fileio import atomic_write_text
+    from mxd_lens.fileio import atomic_write_text, remove_stale_temporaries
     from mxd_lens.models import model_source
 
     for path, row in zip(paths, rows, strict=True):
+        remove_stale_temporaries(path, ("cfg.json", "eval.json"))  # left by a killed evaluation
         record = {
             "metrics": {k: row[k] for k in EVAL_METRICS if k in row},
             "text": {**eval_info, "split": config.split},

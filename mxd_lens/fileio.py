@@ -40,3 +40,21 @@ def _umask() -> int:
     umask = os.umask(0)
     os.umask(umask)
     return umask
+
+
+def remove_stale_temporaries(folder: str | Path, names: tuple[str, ...], older_than_s: float = 300.0) -> list[Path]:
+    """Remove the temporaries :func:`atomic_write` left for ``names`` in ``folder`` when its process was
+    killed (``.NAME.XXXX.tmp``), if older than ``older_than_s`` (a live writer's are seconds old).
+    Returns what was removed."""
+    import time
+
+    now, removed = time.time(), []
+    for name in names:
+        for tmp in Path(folder).glob(f".{name}.*.tmp"):
+            try:
+                if now - tmp.stat().st_mtime > older_than_s:
+                    tmp.unlink()
+                    removed.append(tmp)
+            except FileNotFoundError:  # its writer finished meanwhile
+                pass
+    return removed

@@ -52,3 +52,46 @@ def test_the_temporary_file_is_unique_in_the_same_folder_and_removed_on_failure(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["data.bin"] and target.read_bytes() == b"old"
     atomic_write(target, lambda tmp: Path(tmp).write_bytes(b"new"))
     assert target.read_bytes() == b"new" and sorted(p.name for p in tmp_path.iterdir()) == ["data.bin"]
+
+
+def test_an_interrupted_checkpoint_leaves_no_temporary_and_a_killed_ones_is_removed_by_the_next_lock(tmp_path):
+    import stat
+
+    from mxd_lens.checkpoints import RunLock, save_checkpoint_dir
+
+    checkpoints = tmp_path / "run" / "checkpoints"
+
+    def interrupted(folder):
+        (folder / "state.pt").write_bytes(b"x" * 10)
+        raise KeyboardInterrupt  # Ctrl-C inside the write
+
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint_dir(checkpoints, 5, interrupted, keep=2)
+    assert list(checkpoints.iterdir()) == []
+    killed = checkpoints / ".tmp-step_000000007.abcd"  # what kill -9 in the middle leaves
+    killed.mkdir()
+    (killed / "state.pt").write_bytes(b"partial")
+    with RunLock(tmp_path / "run"):
+        assert not killed.exists()
+    old = os.umask(0o022)
+    try:
+        final = save_checkpoint_dir(checkpoints, 8, lambda folder: (folder / "state.pt").write_bytes(b"s"), keep=2)
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(final.stat().st_mode) == 0o755  # as mkdir gives, so a colleague can resume
+
+
+def test_stale_atomic_write_temporaries_are_removed_and_fresh_ones_kept(tmp_path):
+    import time
+
+    from mxd_lens.fileio import remove_stale_temporaries
+
+    stale, fresh = tmp_path / ".cfg.json.k1l2.tmp", tmp_path / ".cfg.json.m3n4.tmp"
+    other = tmp_path / ".notes.txt.x.tmp"
+    for path in (stale, fresh, other):
+        path.write_text("{")
+    hour_ago = time.time() - 3600
+    os.utime(stale, (hour_ago, hour_ago))
+    os.utime(other, (hour_ago, hour_ago))
+    assert remove_stale_temporaries(tmp_path, ("cfg.json", "eval.json")) == [stale]
+    assert fresh.exists() and other.exists()
