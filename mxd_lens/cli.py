@@ -193,9 +193,18 @@ def _print_eval_table(rows: list[dict[str, Any]]) -> None:
     import pandas as pd
 
     table = pd.DataFrame(rows)
-    columns = ["name", "delta_ce", "kl", "fvu", "l0", "always_on", "effective_units", "top1_fvu",
-               "dead_fraction", "jacobian_cos", "ce_recovered_zero", "tokens"]  # fmt: skip
+    tokens = int(table["tokens"].iloc[0])
+    table["delta_ce"] = [f"{d:+.4f} ± {se:.4f}" for d, se in zip(table["delta_ce"], table["delta_ce_se"], strict=True)]
+    table["kl"] = [f"{k:.4f} ± {se:.4f}" for k, se in zip(table["kl"], table["kl_se"], strict=True)]
+    if "ce_zero_ablation" in table:
+        table["zero_ablation_cost"] = table["ce_zero_ablation"] - table["ce_clean"]
+    silent = f"silent on {tokens:,} tokens"
+    table = table.rename(columns={"dead_fraction": silent, "delta_ce": "delta_ce ± se", "kl": "kl ± se"})
+    columns = ["name", "ce_clean", "delta_ce ± se", "kl ± se", "zero_ablation_cost", "fvu", "l0", "always_on",
+               "effective_units", "top1_fvu", silent, "jacobian_cos", "ce_recovered_zero", "tokens"]  # fmt: skip
     print(table[[c for c in columns if c in table]].to_markdown(index=False, floatfmt=".4f"))
+    print("± : standard error over the evaluation's batches; zero_ablation_cost: CE with the MLP's output "
+          "zeroed minus clean CE (what deleting the MLP costs)")  # fmt: skip
 
 
 def recorded_model(record: dict[str, Any], folder: Path) -> str:

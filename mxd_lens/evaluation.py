@@ -35,6 +35,7 @@ gives signed codes):
 
 from __future__ import annotations
 
+import json
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -91,6 +92,7 @@ def evaluate(
     firing = {name: FiringTracker(layer.cfg.d_sae) for name, layer in named.items()}
     usage = {name: torch.zeros(layer.cfg.d_sae, dtype=torch.long) for name, layer in named.items()}
     jacobian: dict[str, list[torch.Tensor]] = {name: [] for name in named}
+    per_batch: dict[str, list[tuple[float, float]]] = {name: [] for name in named}  # (ΔCE, KL) per batch
     generator = torch.Generator().manual_seed(0)
     y_sum: dict[int, torch.Tensor] = {}  # Σ y and Σ ||y||² per block (float64), for FVU's variance
     y_sq: dict[int, float] = {}
@@ -105,7 +107,8 @@ def evaluate(
             clean_p = clean_logp.exp()  # once per batch, shared by every variant's KL
             target = tokens[:, 1:].to(clean_logp.device)
             n_pred += target.numel()
-            _add(sums, "ce_clean", _ce_sum(clean_logp, target))
+            clean_sum = _ce_sum(clean_logp, target)
+            _add(sums, "ce_clean", clean_sum)
             if baselines:
                 kept.append(({b: r.cpu() for b, r in resid.items()}, target.cpu()))
             for block in blocks:
@@ -120,7 +123,8 @@ def evaluate(
                 x, y = io[block]["in"], io[block]["out"]
                 out, values, idx = layer.forward_sparse(x)
                 out = out.to(y.dtype)
-                _score(sums, f"splice:{name}", _run_from(model, resid, block, {block: out}), target, clean)
+                ce_sum, kl_sum = _score(sums, f"splice:{name}", _run_from(model, resid, block, {block: out}), target, clean)
+                per_batch[name].append(((ce_sum - clean_sum) / target.numel(), kl_sum / target.numel()))
                 out, values, idx = out[:, skip:], values[:, skip:], idx[:, skip:]
                 x_kept, y_kept = x[:, skip:], y[:, skip:]
                 _add(sums, f"sse:{name}", float((out - y_kept).double().pow(2).sum()))
@@ -184,6 +188,7 @@ def evaluate(
             dead_fraction=firing[name].dead_fraction(),  # silent on these tokens (mxd_lens.firing)
             train_dead_fraction=train_metrics.get("dead_fraction"),
             jacobian_cos=float(torch.cat(jacobian[name]).mean()) if jacobian[name] else None,
+            **_standard_errors(per_batch[name]),
         )
         row["explained_variance"] = 1 - row["fvu"]
         rows.append(row)
@@ -230,13 +235,31 @@ def _row(name, layer, block, sums, n_pred, ce_clean, label, blocks, baselines, n
     return row
 
 
-def _score(sums, label: str, logits: torch.Tensor, target: torch.Tensor, clean=None) -> None:
-    """Add a variant's CE (and, given the clean (log p, p), its KL from the clean model) to ``sums``."""
+def _score(sums, label: str, logits: torch.Tensor, target: torch.Tensor, clean=None) -> tuple[float, float]:
+    """Add a variant's CE (and, given the clean (log p, p), its KL from the clean model) to ``sums``;
+    return this batch's (CE sum, KL sum)."""
     logp = F.log_softmax(logits[:, :-1].float(), dim=-1)
-    _add(sums, f"ce:{label}", _ce_sum(logp, target))
+    ce = _ce_sum(logp, target)
+    _add(sums, f"ce:{label}", ce)
+    kl = 0.0
     if clean is not None:
         clean_logp, clean_p = clean
-        _add(sums, f"kl:{label}", float((clean_p * (clean_logp - logp)).sum()))
+        kl = float((clean_p * (clean_logp - logp)).sum())
+        _add(sums, f"kl:{label}", kl)
+    return ce, kl
+
+
+def _standard_errors(per_batch: Sequence[tuple[float, float]]) -> dict[str, float]:
+    """Standard errors of ΔCE and KL over the evaluation's batches (equal-sized): sd / sqrt(batches);
+    NaN with one batch."""
+    import math
+
+    out = {}
+    for key, values in zip(("delta_ce_se", "kl_se"), zip(*per_batch, strict=True), strict=True):
+        n = len(values)
+        mean = sum(values) / n
+        out[key] = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1) / n) if n > 1 else float("nan")
+    return out
 
 
 def _effective_units(values: torch.Tensor) -> torch.Tensor:
@@ -387,7 +410,8 @@ def held_out_batches(
 
 EVAL_METRICS = ("delta_ce", "kl", "fvu", "l0", "l0_positive", "always_on", "effective_units", "top1_fvu",
                 "dead_fraction", "train_dead_fraction", "jacobian_cos", "ce_recovered_zero", "ce_recovered_mean",
-                "ce_clean", "ce_spliced", "ce_zero_ablation", "ce_mean_ablation", "tokens")  # fmt: skip
+                "ce_clean", "ce_spliced", "ce_zero_ablation", "ce_mean_ablation", "delta_ce_se", "kl_se",
+                "tokens")  # fmt: skip
 
 
 def evaluate_saved(
@@ -468,6 +492,21 @@ def _recorded_text(record: Mapping[str, Any], folder: Path) -> str | None:
     return text  # a Hugging Face dataset name
 
 
+def evaluation_key(record: Mapping[str, Any]) -> tuple[Any, ...]:
+    """What makes two evaluations the same measurement: the text (by content), its split, the tokens
+    and the context size; a new one replaces an old one with the same key."""
+    text = record.get("text") or {}
+    digests = json.dumps(text.get("digests") or text.get("text"), sort_keys=True)
+    return (digests, text.get("split"), text.get("eval_fraction"), text.get("split_seed"), record.get("tokens"),
+            record.get("context_size"))  # fmt: skip
+
+
+def keep_evaluation(records: Sequence[Mapping[str, Any]], record: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """``records`` with ``record`` added, replacing one with the same :func:`evaluation_key`."""
+    key = evaluation_key(record)
+    return [dict(r) for r in records if r and evaluation_key(r) != key] + [dict(record)]
+
+
 class EvaluationNotRecorded(OSError):
     """The layers were evaluated but the result could not be written into their folders (read-only?);
     ``rows`` holds what was measured."""
@@ -499,6 +538,10 @@ def _record_evaluations(paths: Sequence[Path], rows: list[dict[str, Any]], eval_
             "mxd_lens_version": __version__,
         }
         cfg = json.loads((path / "cfg.json").read_text())
-        cfg.setdefault("metadata", {})["evaluation"] = record
+        meta = cfg.setdefault("metadata", {})
+        # one record per (text, split, tokens, context): evaluating on three texts keeps three
+        earlier = meta.get("evaluations") or ([meta["evaluation"]] if meta.get("evaluation") else [])
+        meta["evaluations"] = keep_evaluation(earlier, record)
+        meta["evaluation"] = record  # the latest (what the model card and frontier tables show)
         atomic_write_text(path / "cfg.json", json.dumps(cfg, indent=2))
         atomic_write_text(path / "eval.json", json.dumps({**record, "row": row}, indent=1))

@@ -177,3 +177,55 @@ def test_a_byte_identical_copy_is_refused_and_messages_leave_digests_out(tmp_pat
     (tmp_path / "a.txt").write_text("edited since training\n")  # same path, other content: allowed, loudly
     with pytest.warns(UserWarning, match="other content"):
         check_disjoint(train, _info(tmp_path / "a.txt"))
+
+
+def test_standard_errors_are_those_of_the_per_batch_values():
+    """delta_ce_se / kl_se from one evaluation == sd / sqrt(n) of each batch evaluated alone."""
+    import math
+
+    model = make_model("gated")
+    layer = randomise(TopKTranscoder.for_model(model, 1, d_sae=16, k=3), 0, scale=0.3)
+    batches = [torch.randint(0, D_VOCAB, (3, 10), generator=torch.Generator().manual_seed(i)) for i in range(5)]
+    (row,) = evaluate(model, [layer], batches, baselines=False, jacobian_tokens=0, progress=False)
+    alone = [evaluate(model, [layer], [b], baselines=False, jacobian_tokens=0, progress=False)[0] for b in batches]
+    for key, se in (("delta_ce", "delta_ce_se"), ("kl", "kl_se")):
+        values = [r[key] for r in alone]
+        mean = sum(values) / 5
+        assert row[key] == pytest.approx(mean, rel=1e-5, abs=1e-7)
+        sd = math.sqrt(sum((v - mean) ** 2 for v in values) / 4)
+        assert row[se] == pytest.approx(sd / math.sqrt(5), rel=1e-4, abs=1e-9)
+    (one,) = evaluate(model, [layer], batches[:1], baselines=False, jacobian_tokens=0, progress=False)
+    assert math.isnan(one["delta_ce_se"])
+
+
+def test_each_evaluation_text_keeps_its_own_record(tmp_path, capsys, monkeypatch):
+    import json
+
+    from conftest import make_text_model
+
+    import mxd_lens.models
+    from mxd_lens.cli import main
+
+    model, corpus = make_text_model(tmp_path)
+    other = tmp_path / "other.txt"
+    other.write_text("\n\n".join(corpus.read_text().split("\n\n")[::-1]))  # same words, other documents
+    monkeypatch.setattr(mxd_lens.models, "load_model", lambda name, **kw: model)
+    layer = randomise(TopKTranscoder.for_model(model, 1, d_sae=16, k=3), 0, scale=0.3)
+    layer.save_model(tmp_path / "L1")
+    common = ["eval", str(tmp_path / "L1"), "--model", "m", "--context-size", "12", "--split", "all"]
+    with pytest.warns(UserWarning, match="records no training text"):
+        assert main([*common, "--text", str(corpus), "--eval-tokens", "120"]) == 0
+        assert main([*common, "--text", str(other), "--eval-tokens", "120"]) == 0
+        assert main([*common, "--text", str(corpus), "--eval-tokens", "240"]) == 0
+        assert main([*common, "--text", str(corpus), "--eval-tokens", "120"]) == 0  # replaces the first
+    printed = capsys.readouterr().out
+    meta = json.loads((tmp_path / "L1" / "cfg.json").read_text())["metadata"]
+    seen = [(r["text"]["text"], r["tokens"]) for r in meta["evaluations"]]
+    assert [(t, n) for t, n in seen] == [(str(other), 110), (str(corpus), 220), (str(corpus), 110)]
+    assert meta["evaluation"] == meta["evaluations"][-1]
+    assert "silent on 110 tokens" in printed and "delta_ce ± se" in printed and "zero_ablation_cost" in printed
+    assert "ce_clean" in printed
+    capsys.readouterr()
+    assert main(["info", str(tmp_path / "L1")]) == 0
+    shown = capsys.readouterr().out
+    assert "evaluation 1 on" in shown and "evaluation 3 on" in shown and "eval 2: delta_ce" in shown

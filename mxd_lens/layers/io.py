@@ -133,17 +133,19 @@ def describe_layer(folder: str | Path) -> Any:
                 rows.append((f"train: {key}", value))
         for key, value in (training.get("metrics") or {}).items():
             rows.append((f"last training {key}", f"{value:.4g}"))
-    if evaluation:
-        text = evaluation.get("text") or {}
+    evaluations = meta.get("evaluations") or ([evaluation] if evaluation else [])
+    for number, record in enumerate(evaluations, start=1):
+        text = record.get("text") or {}
+        prefix = "eval" if len(evaluations) == 1 else f"eval {number}"
         rows.append(
             (
-                "evaluated on",
-                f"{text.get('text')} ({text.get('split')} side), {evaluation.get('tokens', 0):,} tokens",
+                "evaluated on" if len(evaluations) == 1 else f"evaluation {number} on",
+                f"{text.get('text')} ({text.get('split')} side), {record.get('tokens', 0):,} tokens",
             )
         )
-        for key, value in (evaluation.get("metrics") or {}).items():
-            rows.append((f"eval: {key}", f"{value:.4g}" if isinstance(value, float) else value))
-    else:
+        for key, value in (record.get("metrics") or {}).items():
+            rows.append((f"{prefix}: {key}", f"{value:.4g}" if isinstance(value, float) else value))
+    if not evaluations:
         rows.append(("evaluation", "none yet (mxd-lens eval FOLDER)"))
     return pd.DataFrame([(k, "—" if v is None else str(v)) for k, v in rows], columns=["field", "value"])
 
