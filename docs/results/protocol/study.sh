@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The review protocol's study (docs/results.md, "MxD's codes on the review protocol"), one part per call:
 #   bash docs/results/protocol/study.sh A   # block 15, K = 32, seeds 0 and 1
-#   bash docs/results/protocol/study.sh B   # blocks 5 and 25, K = 32, seed 0
+#   bash docs/results/protocol/study.sh B   # blocks 5 and 25, K = 32, seed 0; block 25 seed 1
 #   bash docs/results/protocol/study.sh C   # block 15, K = 16 and 64, seed 0
 # Methods: MxD with the paper's gate, MxD with the new variant the sweep chose (sweep.md), the TopK and
 # skip transcoders, parameter-matched at m = 8, each at the rate the sweep chose for it. Training: 2 epochs
@@ -19,7 +19,7 @@ NEW_MXD=${NEW_MXD:-mxd:gate=topk}
 ARCH_LR=${ARCH_LR:-"mxd=0.002 mxd:gate=topk=0.002 transcoder=0.002 skip_transcoder=0.002"}
 case $PART in
   A) POINTS=(--blocks 15 --ks 32 --grid 15:32@1) ;;
-  B) POINTS=(--blocks 5 25 --ks 32) ;;
+  B) POINTS=(--blocks 5 25 --ks 32 --grid 25:32@1) ;;
   C) POINTS=(--blocks 15 --ks 16 64) ;;
   *) echo "unknown part $PART: give A, B or C" >&2; exit 2 ;;
 esac
