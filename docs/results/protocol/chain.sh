@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Run study parts one after another, in the background, from a frozen copy of the code: a git worktree
+# at the current commit (../study-run), so that editing this checkout meanwhile cannot change a running
+# study; keep.sh commits each part's results into docs/results/protocol/PART as they come.
+#   nohup bash docs/results/protocol/chain.sh A B C > results/chain.log 2>&1 &
+# Resumable: run the same command again (each part resumes from its checkpoints under results/).
+set -uo pipefail
+cd "$(dirname "$0")/../../.."
+ROOT=$PWD RUN=${RUN_TREE:-$PWD/../study-run}
+if [ ! -d "$RUN" ]; then
+  git worktree add -f --detach "$RUN" HEAD
+  ln -s "$ROOT/results" "$RUN/results"
+  ln -s "$ROOT/.venv" "$RUN/.venv"
+fi
+echo "study code: $(git -C "$RUN" rev-parse --short HEAD)"
+for PART in "$@"; do
+  bash docs/results/protocol/keep.sh "$PART" &
+  KEEP=$!
+  PYTHONPATH="$RUN" bash "$RUN/docs/results/protocol/study.sh" "$PART" >> "results/protocol-$PART.log" 2>&1
+  echo "part $PART ended with status $? at $(date)"
+  sleep 130  # keep.sh's last copy and commit
+  kill $KEEP
+done
