@@ -114,7 +114,7 @@ class TrainCommand:
     """continue from OUT/checkpoints/latest"""
     device: str = "cpu"
     """device for the learners"""
-    no_progress: bool = False
+    no_progress: bool = field(default=False, metadata={"custom_args": {"action": "store_true", "nargs": None}})
     """no progress bar (text log lines instead)"""
 
     def __post_init__(self) -> None:
@@ -147,6 +147,14 @@ class ModelOut:
     """output folder (probe/steer/inspect write OUT/probing, OUT/steering, OUT/inspect)"""
     threads: int = 0
     """torch CPU threads (0: torch's default)"""
+
+
+@dataclass
+class CpuOptions:
+    """How much of the machine to use."""
+
+    threads: int = 0
+    """torch CPU threads (0: torch's default, every core); on a shared machine, fewer"""
 
 
 @dataclass
@@ -443,8 +451,9 @@ def _demo(args: argparse.Namespace) -> int:
     rows = run_frontier(model, config, out)
     print(
         f"\n{model.cfg.model_name}, block {args.block}: parameter-matched (m = {args.width_multiplier}), "
-        f"K = {args.k}, {rows[0]['train_tokens']:,} training tokens ({args.epochs:g} epochs), "
-        f"{rows[0]['tokens']:,} held-out tokens\n"
+        f"K = {args.k}, {rows[0]['train_tokens']:,} training tokens ("
+        + (f"{rows[0]['epochs']:.2f} epochs over the cache), " if rows[0].get("epochs") else "one pass), ")
+        + f"{rows[0]['tokens']:,} held-out tokens\n"
     )
     print(demo_table(rows))
     print("\n" + demo_verdict(rows))
@@ -716,7 +725,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
         "demo": (
             "the main job: MxD vs TopK transcoder on the default model and text, end to end",
             _demo.__doc__,
-            {"demo": DemoCommand},
+            {"demo": DemoCommand, "cpu": CpuOptions},
             _demo,
         ),
         "cache": (
@@ -725,7 +734,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
             "in --shards safetensors shards, with each shard's size and checksum. Re-running with the same "
             "arguments continues an interrupted cache and recomputes shards that are missing or damaged; "
             "--verify only checks an existing cache.",
-            {"stream": StreamConfig, "cache": CacheCommand},
+            {"stream": StreamConfig, "cache": CacheCommand, "cpu": CpuOptions},
             _cache,
         ),
         "train": (
@@ -734,13 +743,13 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
             "live). Checkpoints go to OUT/checkpoints, final SAELens-format weights to OUT/final/NAME. Runs "
             "under torchrun too. The training options are the fields of mxd_lens.training.TrainConfig; give "
             "--tokens or --epochs.",
-            {"stream": StreamConfig, "train": TrainCommand, "config": TrainConfig},
+            {"stream": StreamConfig, "train": TrainCommand, "config": TrainConfig, "cpu": CpuOptions},
             _train,
         ),
         "eval": (
             "evaluate saved layers on held-out text and record the results in them",
             _eval.__doc__,
-            {"layers": LayersArgument, "model": EvalModel, "eval": EvalConfig},
+            {"layers": LayersArgument, "model": EvalModel, "eval": EvalConfig, "cpu": CpuOptions},
             _eval,
         ),
         "publish": (
@@ -818,6 +827,10 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:  # a config dataclass refused its fields (e.g. neither --tokens nor --epochs)
         command = next((a for a in argv if not a.startswith("-")), "")
         raise SystemExit(f"mxd-lens {command}: {err}") from err
+    if getattr(args, "cpu", None) is not None:
+        if args.cpu.threads < 0:
+            raise SystemExit(f"mxd-lens {args.command}: --threads {args.cpu.threads} must be >= 0 (0: every core)")
+        _threads(args.cpu.threads)
     if args.debug or os.environ.get("MXD_LENS_DEBUG", "") not in ("", "0"):
         return args.func(args)
     try:

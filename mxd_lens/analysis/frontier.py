@@ -149,6 +149,7 @@ def run_frontier(
                 seed=seed,
                 width_multiplier=spec.width_multiplier,
                 train_tokens=trainer.tokens_seen,
+                epochs=trainer.tokens_seen / trainer.epoch_tokens if trainer.epoch_tokens else None,
                 train_fvu=train_metrics[row["name"]]["fvu"],
                 train_dead_fraction=train_metrics[row["name"]].get("dead_fraction"),
                 lr=spec.lr if spec.lr is not None else train_config.lr,
