@@ -324,13 +324,18 @@ class TrainingLoop:
             )
         return None
 
+    def comparable(self, part: str, value: Any) -> Any:
+        """What of an identity ``part`` a resume must match (default: all of it); a trainer can leave
+        out what only names a thing, e.g. how a text's path was spelled when its digests are recorded."""
+        return value
+
     def check_identity(self, folder: Path, saved: Mapping[str, Any]) -> None:
         """Raise ``ResumeMismatch`` naming each difference between a checkpoint's identity and ours."""
         asked = json.loads(json.dumps(self.identity()))  # as a checkpoint stores it (tuples -> lists)
         for part in asked:
             if saved.get(part) is None:
                 continue  # written before this part was recorded
-            there, here = saved[part], asked[part]
+            there, here = self.comparable(part, saved[part]), self.comparable(part, asked[part])
             if isinstance(there, Mapping) and isinstance(here, Mapping):
                 diff = differences(there, here, self.resume_free() if part == "config" else ())
             else:

@@ -36,7 +36,7 @@ import json
 import logging
 import math
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -539,6 +539,15 @@ class Trainer(TrainingLoop):
             **self.identity(),
         }
         (folder / "trainer_state.json").write_text(json.dumps(state, indent=2))
+
+    def comparable(self, part: str, value: Any) -> Any:
+        """The text by its content (digests, split), not by how its path was spelled: a resume from
+        another directory, or of a run recorded before texts were named by package resource, matches."""
+        if part == "data" and isinstance(value, Mapping) and isinstance(value.get("text"), Mapping):
+            text = value["text"]
+            if "digests" in text:
+                return {**value, "text": {k: v for k, v in text.items() if k not in ("text", "path")}}
+        return value
 
     def data_identity(self) -> dict[str, Any]:
         """What the stream is: the cache's settings and size, or the live stream's model, layers and

@@ -135,6 +135,20 @@ def test_resume_with_other_settings_is_refused(tmp_path):
         Trainer(SPECS[1:2], source(), config(), tmp_path, progress=False).fit(resume=True)
 
 
+def test_resume_matches_the_text_by_content_not_by_how_its_path_was_spelled(tmp_path, monkeypatch):
+    """A run recorded with a relative text path resumes when asked with the absolute one (and a
+    "path" beside it, as runs record now); another digest is refused."""
+    info = {"text": "data/a.txt", "split": "train", "eval_fraction": 0.02, "split_seed": 0,
+            "digests": {"a.txt": "sha256:" + "1" * 64}}  # fmt: skip
+    crash_at(Trainer(SPECS[:1], source(), config(), tmp_path, progress=False, data_info=info), 17, monkeypatch)
+    moved = {**info, "text": "/elsewhere/data/a.txt", "path": "/elsewhere/data/a.txt"}
+    Trainer(SPECS[:1], source(), config(), tmp_path, progress=False, data_info=moved).fit(resume=True)
+    crash_at(Trainer(SPECS[:1], source(), config(), tmp_path / "b", progress=False, data_info=info), 17, monkeypatch)
+    edited = {**info, "digests": {"a.txt": "sha256:" + "2" * 64}}
+    with pytest.raises(ValueError, match="trained on other data"):
+        Trainer(SPECS[:1], source(), config(), tmp_path / "b", progress=False, data_info=edited).fit(resume=True)
+
+
 def test_block_index_under_its_old_name_still_works(tmp_path, monkeypatch):
     """``layer`` meant a block index before the rename: for_model(layer=), LearnerSpec.layer and a
     checkpoint whose learners record "layer" still work, the first with a DeprecationWarning."""
