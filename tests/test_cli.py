@@ -158,10 +158,12 @@ def test_demo_runs_end_to_end(tmp_path, text_model, capsys):
     args += ["--context-size", "12", "--batch-tokens", "64", "--train-tokens", "640", "--eval-tokens", "120"]
     assert main([*args, "--out", str(tmp_path / "demo")]) == 0
     out = capsys.readouterr().out
-    assert "| MxD " in out and "| Transcoder " in out and "K = 2, 1,280 training tokens (2 epochs)" in out
     assert (tmp_path / "demo" / "frontier.png").exists()
     rows = pd.read_csv(tmp_path / "demo" / "frontier.csv").sort_values("kl")
     best = rows.iloc[0]
+    # the epochs it trained (1,280 tokens over a cache of 2 shards of 363), not the 2 it asked for
+    assert best["epochs"] == pytest.approx(1280 / 726)
+    assert "| MxD " in out and "| Transcoder " in out and "K = 2, 1,280 training tokens (1.76 epochs over the cache)" in out
     assert (
         f"{best['label']} stays closest to the model: KL(clean ‖ spliced) {best['label']} {best['kl']:.4f}"
         in out
@@ -177,6 +179,25 @@ def test_demo_runs_end_to_end(tmp_path, text_model, capsys):
         "L1.transcoder.k2.m8",
     ]
     assert SAE.load_from_disk(tmp_path / "demo/runs/L1.seed0/final/L1.mxd-gate=topk.k2.m8").cfg.gate == "topk"
+
+
+def test_threads_option_of_the_heavy_verbs_and_plain_flags(tmp_path, capsys):
+    import torch
+
+    before = torch.get_num_threads()
+    try:
+        with pytest.raises(SystemExit, match="not an activation cache"):  # --threads applies before the work
+            main(["train", "--threads", "1", "--cache", str(tmp_path / "none"), "--tokens", "1024", "--out", str(tmp_path)])
+        assert torch.get_num_threads() == 1
+        with pytest.raises(SystemExit, match="--threads -1 must be >= 0"):
+            main(["eval", str(tmp_path), "--threads", "-1"])
+    finally:
+        torch.set_num_threads(before)
+    for verb in ("demo", "cache", "train", "eval"):
+        with pytest.raises(SystemExit):
+            main([verb, "--help"])
+        shown = capsys.readouterr().out
+        assert "--threads int" in shown and "--nono" not in shown, verb
 
 
 @pytest.mark.parametrize("command", ["", "check", "demo", "cache", "train"])
