@@ -26,7 +26,6 @@ are missing or damaged.
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import json
 import os
@@ -44,7 +43,7 @@ from tqdm.auto import tqdm
 
 from mxd_lens import hooks
 from mxd_lens.config import StreamConfig  # noqa: F401 (re-exported: it configures this module's stream)
-from mxd_lens.fileio import atomic_write, atomic_write_text
+from mxd_lens.fileio import atomic_write, atomic_write_text, file_digest
 
 MANIFEST = "manifest.json"
 SHARDS = (
@@ -167,8 +166,11 @@ class ModelActivations:
         stream.text_info = {
             "text": data.text_name(text),
             # a relative path also by its absolute one, so `mxd-lens eval` finds it from another folder
-            **({"path": str(local.resolve())} if local.exists() and not local.is_absolute()
-               and data.text_name(text) == str(text) else {}),  # fmt: skip
+            **(
+                {"path": str(local.resolve())}
+                if local.exists() and not local.is_absolute() and data.text_name(text) == str(text)
+                else {}
+            ),  # fmt: skip
             "split": "train",
             "eval_fraction": eval_fraction,
             "split_seed": split_seed,
@@ -256,11 +258,7 @@ def _present_shards(path: Path) -> set[int]:
 
 
 def _digest(path: Path) -> str:
-    h = hashlib.blake2b(digest_size=32)
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 23):
-            h.update(chunk)
-    return h.hexdigest()
+    return file_digest(path, "blake2b", digest_size=32)
 
 
 def _record(path: Path) -> dict[str, Any]:

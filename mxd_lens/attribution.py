@@ -378,12 +378,12 @@ def write_report(result: Attribution, out: Any, edge_tables: dict | None = None,
     import io
     from pathlib import Path
 
-    from mxd_lens.fileio import atomic_write_text
+    from mxd_lens.fileio import atomic_to_csv, atomic_write_text
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    result.units.to_csv(out / "units.csv", index=False)
-    result.parts.to_csv(out / "parts.csv", index=False)
+    atomic_to_csv(result.units, out / "units.csv", index=False)
+    atomic_to_csv(result.parts, out / "parts.csv", index=False)
     fig = plot_graph(result, edge_tables, path=out / "graph.png")
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", dpi=110)
@@ -491,7 +491,7 @@ def run_attribution_study(model: Any, study: Any, out: Any = None, progress: boo
     from tqdm.auto import tqdm
 
     import mxd_lens
-    from mxd_lens.fileio import atomic_write_text
+    from mxd_lens.fileio import atomic_to_csv, atomic_write_text
     from mxd_lens.layers.io import load_layers
     from mxd_lens.layers.registry import architecture_key
 
@@ -537,7 +537,7 @@ def run_attribution_study(model: Any, study: Any, out: Any = None, progress: boo
     if out is not None:
         out = Path(out)
         out.mkdir(parents=True, exist_ok=True)
-        table.to_csv(out / "attribution_study.csv", index=False)
+        atomic_to_csv(table, out / "attribution_study.csv", index=False)
         record = {"study": asdict(study), "rows": json.loads(table.to_json(orient="records"))}
         atomic_write_text(out / "attribution_study.json", json.dumps(record, indent=1))
     return table

@@ -83,7 +83,9 @@ def save_checkpoint_dir(checkpoint_dir: Path, step: int, fill: Callable[[Path], 
     tmp = None
     try:
         tmp = Path(tempfile.mkdtemp(dir=checkpoint_dir, prefix=f"{TMP_PREFIX}{final.name}."))
-        os.chmod(tmp, 0o777 & ~_umask())  # as readable as any folder (mkdtemp's is 0700): a colleague can resume
+        os.chmod(
+            tmp, 0o777 & ~_umask()
+        )  # as readable as any folder (mkdtemp's is 0700): a colleague can resume
         fill(tmp)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)

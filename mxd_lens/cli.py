@@ -114,7 +114,9 @@ class TrainCommand:
     """continue from OUT/checkpoints/latest"""
     device: str = "cpu"
     """device for the learners"""
-    no_progress: bool = field(default=False, metadata={"custom_args": {"action": "store_true", "nargs": None}})
+    no_progress: bool = field(
+        default=False, metadata={"custom_args": {"action": "store_true", "nargs": None}}
+    )
     """no progress bar (text log lines instead)"""
 
     def __post_init__(self) -> None:
@@ -202,7 +204,9 @@ def _print_eval_table(rows: list[dict[str, Any]]) -> None:
 
     table = pd.DataFrame(rows)
     tokens = int(table["tokens"].iloc[0])
-    table["delta_ce"] = [f"{d:+.4f} ± {se:.4f}" for d, se in zip(table["delta_ce"], table["delta_ce_se"], strict=True)]
+    table["delta_ce"] = [
+        f"{d:+.4f} ± {se:.4f}" for d, se in zip(table["delta_ce"], table["delta_ce_se"], strict=True)
+    ]
     table["kl"] = [f"{k:.4f} ± {se:.4f}" for k, se in zip(table["kl"], table["kl_se"], strict=True)]
     if "ce_zero_ablation" in table:
         table["zero_ablation_cost"] = table["ce_zero_ablation"] - table["ce_clean"]
@@ -235,9 +239,7 @@ def recorded_model(record: dict[str, Any], folder: Path) -> str:
 def _info(args: argparse.Namespace) -> int:
     """What a saved layer is: architecture and sizes, the model and hooks, how it was trained (config,
     data and its digests, tokens, epochs, library version) and, once evaluated, its evaluation."""
-    from mxd_lens.layers.io import describe_layer, layer_folders
-
-    from mxd_lens.layers.io import check_layer_folder
+    from mxd_lens.layers.io import check_layer_folder, describe_layer, layer_folders
 
     try:
         folders = layer_folders(args.layers.layers)
@@ -572,7 +574,9 @@ def _cache(args: argparse.Namespace) -> int:
     from mxd_lens.models import load_model
 
     stream = ModelActivations.from_config(
-        load_model(stream_config.model or DEFAULT_MODEL, tl_name=stream_config.tl_name), args.blocks, stream_config
+        load_model(stream_config.model or DEFAULT_MODEL, tl_name=stream_config.tl_name),
+        args.blocks,
+        stream_config,
     )
     try:
         path = write_cache(
@@ -829,7 +833,9 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"mxd-lens {command}: {err}") from err
     if getattr(args, "cpu", None) is not None:
         if args.cpu.threads < 0:
-            raise SystemExit(f"mxd-lens {args.command}: --threads {args.cpu.threads} must be >= 0 (0: every core)")
+            raise SystemExit(
+                f"mxd-lens {args.command}: --threads {args.cpu.threads} must be >= 0 (0: every core)"
+            )
         _threads(args.cpu.threads)
     if args.debug or os.environ.get("MXD_LENS_DEBUG", "") not in ("", "0"):
         return args.func(args)

@@ -174,7 +174,9 @@ class TrainConfig:
         if self.log_every <= 0:
             raise ValueError(f"log_every={self.log_every} (--log-every) must be positive")
         if self.keep_checkpoints < 1:
-            raise ValueError(f"keep_checkpoints={self.keep_checkpoints} (--keep-checkpoints) must be at least 1")
+            raise ValueError(
+                f"keep_checkpoints={self.keep_checkpoints} (--keep-checkpoints) must be at least 1"
+            )
         self.betas = tuple(self.betas)
 
     def tokens_for(self, epoch_tokens: int | None) -> int:

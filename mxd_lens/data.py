@@ -85,11 +85,9 @@ def source_digests(source: str | os.PathLike) -> dict[str, str]:
 
 
 def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
+    from mxd_lens.fileio import file_digest
+
+    return file_digest(path)
 
 
 def _local_files(path: Path) -> list[Path] | None:
@@ -428,7 +426,9 @@ def _batched(texts: Iterable[str], n: int) -> Iterator[list[str]]:
         yield batch
 
 
-PACKAGE_PREFIX = "mxd_lens:"  # a text shipped with the package, by resource name: "mxd_lens:resources/x.txt.xz"
+PACKAGE_PREFIX = (
+    "mxd_lens:"  # a text shipped with the package, by resource name: "mxd_lens:resources/x.txt.xz"
+)
 
 
 def text_name(source: str | os.PathLike) -> str:

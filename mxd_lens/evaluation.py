@@ -123,7 +123,9 @@ def evaluate(
                 x, y = io[block]["in"], io[block]["out"]
                 out, values, idx = layer.forward_sparse(x)
                 out = out.to(y.dtype)
-                ce_sum, kl_sum = _score(sums, f"splice:{name}", _run_from(model, resid, block, {block: out}), target, clean)
+                ce_sum, kl_sum = _score(
+                    sums, f"splice:{name}", _run_from(model, resid, block, {block: out}), target, clean
+                )
                 per_batch[name].append(((ce_sum - clean_sum) / target.numel(), kl_sum / target.numel()))
                 out, values, idx = out[:, skip:], values[:, skip:], idx[:, skip:]
                 x_kept, y_kept = x[:, skip:], y[:, skip:]
@@ -421,11 +423,9 @@ def evaluate_saved(
     (``config``: a ``mxd_lens.config.EvalConfig``) and, with ``config.write``, record the result in each
     layer's cfg.json as ``metadata.evaluation`` (metrics, the text and split, tokens, the model's
     source, the library version) and in an eval.json beside it. One row per layer."""
-    import json
 
-    from mxd_lens import __version__, data
+    from mxd_lens import data
     from mxd_lens.config import EvalConfig, StreamConfig
-    from mxd_lens.fileio import atomic_write_text
     from mxd_lens.layers.io import layer_folders, load_layer
     from mxd_lens.models import model_identity, model_source
 
@@ -486,7 +486,8 @@ def _recorded_text(record: Mapping[str, Any], folder: Path) -> str | None:
     if _looks_like_path(str(text)) or record.get("path"):
         raise ValueError(
             f"the training text {text!r} recorded in {folder / 'cfg.json'} (metadata.training.data.text) is not "
-            f"found from {Path.cwd()}" + (f" nor at {record['path']}" if record.get("path") else "")
+            f"found from {Path.cwd()}"
+            + (f" nor at {record['path']}" if record.get("path") else "")
             + "; give --text"
         )
     return text  # a Hugging Face dataset name

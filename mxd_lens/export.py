@@ -80,7 +80,9 @@ def _check_replaceable(out: Path) -> None:
         return
     names = {p.name for p in out.iterdir()}
     earlier = (out / "config.yaml").is_file() and "exported_by: mxd-lens" in (out / "config.yaml").read_text()
-    if not earlier or any(n != "config.yaml" and not (n.startswith("layer_") and n.endswith(".safetensors")) for n in names):
+    if not earlier or any(
+        n != "config.yaml" and not (n.startswith("layer_") and n.endswith(".safetensors")) for n in names
+    ):
         raise ValueError(
             f"--out {out} is not empty and is not an earlier mxd-lens export; give an empty or new folder"
         )
@@ -114,11 +116,15 @@ def export_circuit_tracer(layers: Sequence[str | Path] | str | Path, out: str | 
     models = {}
     for folder, layer in by_block.values():
         recorded = (layer.cfg.metadata.training or {}).get("model") or {}
-        identity = model_identity(recorded) if "kind" in recorded else {"model_name": layer.cfg.metadata.model_name}
+        identity = (
+            model_identity(recorded) if "kind" in recorded else {"model_name": layer.cfg.metadata.model_name}
+        )
         models.setdefault(json.dumps(identity, sort_keys=True), []).append(folder.name)
     if len(models) > 1:
         listed = "; ".join(f"{', '.join(names)}: {key}" for key, names in models.items())
-        raise ValueError(f"a transcoder set is for one model, but these layers were trained on different ones: {listed}")
+        raise ValueError(
+            f"a transcoder set is for one model, but these layers were trained on different ones: {listed}"
+        )
     out = Path(out)
     _check_replaceable(out)
     # written whole into a fresh folder, then swapped in: no earlier export's file survives beside the new set

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import tempfile
 from collections.abc import Callable
@@ -42,7 +43,9 @@ def _umask() -> int:
     return umask
 
 
-def remove_stale_temporaries(folder: str | Path, names: tuple[str, ...], older_than_s: float = 300.0) -> list[Path]:
+def remove_stale_temporaries(
+    folder: str | Path, names: tuple[str, ...], older_than_s: float = 300.0
+) -> list[Path]:
     """Remove the temporaries :func:`atomic_write` left for ``names`` in ``folder`` when its process was
     killed (``.NAME.XXXX.tmp``), if older than ``older_than_s`` (a live writer's are seconds old).
     Returns what was removed."""
@@ -58,3 +61,18 @@ def remove_stale_temporaries(folder: str | Path, names: tuple[str, ...], older_t
             except FileNotFoundError:  # its writer finished meanwhile
                 pass
     return removed
+
+
+def file_digest(path: str | Path, algorithm: str = "sha256", **params: int) -> str:
+    """The hex digest of a file's bytes (``hashlib.new(algorithm, **params)``, e.g. ``"blake2b",
+    digest_size=32``), read in 8 MiB chunks: the one file hasher of the library."""
+    h = hashlib.new(algorithm, **params) if params else hashlib.new(algorithm)
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 23):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def atomic_to_csv(table: object, path: str | Path, **kwargs: object) -> None:
+    """``table.to_csv(path, **kwargs)`` (a pandas DataFrame) written atomically, as :func:`atomic_write`."""
+    atomic_write(path, lambda tmp: table.to_csv(tmp, **kwargs))  # type: ignore[attr-defined]

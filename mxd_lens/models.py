@@ -127,7 +127,12 @@ def load_model(
             model = _load_folder(
                 _converted_folder(path), device, dtype, fold_ln, special_tokens, path.stem, kwargs
             )
-            source = {"kind": "gguf", "file": path.name, "path": str(path.resolve()), "sha256": _file_sha256(path)}
+            source = {
+                "kind": "gguf",
+                "file": path.name,
+                "path": str(path.resolve()),
+                "sha256": _file_sha256(path),
+            }
             return _with_source(model, name_or_path, {**source, **_named(tl_name)})
         if path.is_dir() and (path / "config.json").is_file():
             model = _load_folder(path, device, dtype, fold_ln, special_tokens, path.resolve().name, kwargs)
@@ -173,7 +178,16 @@ def _with_source(model: Any, name: str, source: dict[str, Any]) -> Any:
     return model
 
 
-SHAPE_FIELDS = ("n_layers", "d_model", "d_mlp", "n_heads", "d_vocab", "act_fn", "gated_mlp", "normalization_type")
+SHAPE_FIELDS = (
+    "n_layers",
+    "d_model",
+    "d_mlp",
+    "n_heads",
+    "d_vocab",
+    "act_fn",
+    "gated_mlp",
+    "normalization_type",
+)
 
 
 def model_shape(model: Any) -> dict[str, Any]:
@@ -275,11 +289,9 @@ def _file_sha256(path: Path) -> str:
     stat = path.stat()
     key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns)
     if key not in _SHA256:
-        digest = hashlib.sha256()
-        with open(path, "rb") as f:
-            while chunk := f.read(1 << 22):
-                digest.update(chunk)
-        _SHA256[key] = digest.hexdigest()
+        from mxd_lens.fileio import file_digest
+
+        _SHA256[key] = file_digest(path)
     return _SHA256[key]
 
 

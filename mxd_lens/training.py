@@ -252,7 +252,9 @@ class Trainer(TrainingLoop):
                 )
             if spec.init == "mlp":
                 if model is None:
-                    raise ValueError(f"{spec.name}: init='mlp' needs the model (from a cache: give --model, the model the cache was made with)")
+                    raise ValueError(
+                        f"{spec.name}: init='mlp' needs the model (from a cache: give --model, the model the cache was made with)"
+                    )
                 layer.copy_hidden_from_mlp(model, spec.block)  # rescaled once the scales are known
             # The fused Adam kernel is ~5x faster on CPU for tens of millions of parameters.
             # lr_scale: the learner's own rate relative to the run's, applied by the loop at every step
@@ -295,7 +297,8 @@ class Trainer(TrainingLoop):
             warnings.warn(
                 f"norm_tokens={self.config.norm_tokens:,} (--norm-tokens) is more than the cache holds "
                 f"({self.epoch_tokens:,} tokens): the normalisation scales are estimated on the first "
-                f"{sample:,} training tokens" + (", part of the cache read twice" if sample > self.epoch_tokens else "")
+                f"{sample:,} training tokens"
+                + (", part of the cache read twice" if sample > self.epoch_tokens else "")
                 + "; cache more text or lower --norm-tokens",
                 stacklevel=3,
             )

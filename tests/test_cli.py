@@ -83,12 +83,49 @@ def test_model_with_a_cache_is_used_and_checked_and_cache_applies_the_default_mo
     stream = ["--text", str(corpus), "--context-size", "12", "--rows-per-block", "16"]
     assert main(["cache", *stream, "--blocks", "1", "--shards", "2", "--out", str(tmp_path / "cache")]) == 0
     assert asked == [DEFAULT_MODEL]  # what --help names as the default
-    learn = ["--arch", "mxd", "--k", "2", "--tokens", "64", "--batch-tokens", "32", "--no-progress", "--init", "mlp"]
+    learn = [
+        "--arch",
+        "mxd",
+        "--k",
+        "2",
+        "--tokens",
+        "64",
+        "--batch-tokens",
+        "32",
+        "--no-progress",
+        "--init",
+        "mlp",
+    ]
     with pytest.raises(SystemExit, match="init='mlp' needs the model .*give --model"):
         main(["train", "--cache", str(tmp_path / "cache"), *learn, "--out", str(tmp_path / "a")])
     with pytest.raises(SystemExit, match="--model other is .*'another'.*, but the cache .* was made with"):
-        main(["train", "--cache", str(tmp_path / "cache"), "--model", "other", *learn, "--out", str(tmp_path / "b")])
-    assert main(["train", "--cache", str(tmp_path / "cache"), "--model", "m", *learn, "--out", str(tmp_path / "c")]) == 0
+        main(
+            [
+                "train",
+                "--cache",
+                str(tmp_path / "cache"),
+                "--model",
+                "other",
+                *learn,
+                "--out",
+                str(tmp_path / "b"),
+            ]
+        )
+    assert (
+        main(
+            [
+                "train",
+                "--cache",
+                str(tmp_path / "cache"),
+                "--model",
+                "m",
+                *learn,
+                "--out",
+                str(tmp_path / "c"),
+            ]
+        )
+        == 0
+    )
 
 
 def test_train_without_a_source_is_refused(tmp_path):
@@ -108,7 +145,10 @@ def test_errors_are_one_line_naming_the_verb_and_the_traceback_is_on_request(tmp
     with pytest.raises(SystemExit) as info:
         main(argv)
     first, hint = str(info.value).split("\n")
-    assert first == f"mxd-lens train: {tmp_path / 'none'} is not an activation cache (no manifest.json); write one with `mxd-lens cache`"
+    assert (
+        first
+        == f"mxd-lens train: {tmp_path / 'none'} is not an activation cache (no manifest.json); write one with `mxd-lens cache`"
+    )
     assert "MXD_LENS_DEBUG=1" in hint
     with pytest.raises(FileNotFoundError, match="not an activation cache"):
         main(["--debug", *argv])
@@ -163,7 +203,11 @@ def test_demo_runs_end_to_end(tmp_path, text_model, capsys):
     best = rows.iloc[0]
     # the epochs it trained (1,280 tokens over a cache of 2 shards of 363), not the 2 it asked for
     assert best["epochs"] == pytest.approx(1280 / 726)
-    assert "| MxD " in out and "| Transcoder " in out and "K = 2, 1,280 training tokens (1.76 epochs over the cache)" in out
+    assert (
+        "| MxD " in out
+        and "| Transcoder " in out
+        and "K = 2, 1,280 training tokens (1.76 epochs over the cache)" in out
+    )
     assert (
         f"{best['label']} stays closest to the model: KL(clean ‖ spliced) {best['label']} {best['kl']:.4f}"
         in out
@@ -187,7 +231,19 @@ def test_threads_option_of_the_heavy_verbs_and_plain_flags(tmp_path, capsys):
     before = torch.get_num_threads()
     try:
         with pytest.raises(SystemExit, match="not an activation cache"):  # --threads applies before the work
-            main(["train", "--threads", "1", "--cache", str(tmp_path / "none"), "--tokens", "1024", "--out", str(tmp_path)])
+            main(
+                [
+                    "train",
+                    "--threads",
+                    "1",
+                    "--cache",
+                    str(tmp_path / "none"),
+                    "--tokens",
+                    "1024",
+                    "--out",
+                    str(tmp_path),
+                ]
+            )
         assert torch.get_num_threads() == 1
         with pytest.raises(SystemExit, match="--threads -1 must be >= 0"):
             main(["eval", str(tmp_path), "--threads", "-1"])
@@ -298,7 +354,10 @@ def test_eval_with_another_copy_of_the_model_is_refused_unless_allowed(tmp_path,
     model.mxd_lens_source = {**source, "path": "/elsewhere/m", "config_sha256": "a" * 64}  # moved: same
     assert main(evaluate) == 0
     model.mxd_lens_source = {**source, "config_sha256": "b" * 64}
-    with pytest.raises(SystemExit, match=r"L1.transcoder.k2.m8 was trained on .*'a{64}'.* the model given is .*'b{64}'.*--allow-other-model"):
+    with pytest.raises(
+        SystemExit,
+        match=r"L1.transcoder.k2.m8 was trained on .*'a{64}'.* the model given is .*'b{64}'.*--allow-other-model",
+    ):
         main(evaluate)
     assert main([*evaluate, "--allow-other-model"]) == 0
     record = json.loads((folder / "cfg.json").read_text())["metadata"]["evaluation"]
@@ -335,7 +394,9 @@ def test_info_flags_folders_that_cannot_load(tmp_path, capsys):
     assert "4 of 4 layer folder(s) cannot be loaded" in out
 
 
-def test_eval_from_another_folder_finds_what_the_record_names_and_says_what_it_cannot(tmp_path, monkeypatch, capsys):
+def test_eval_from_another_folder_finds_what_the_record_names_and_says_what_it_cannot(
+    tmp_path, monkeypatch, capsys
+):
     """Relative model and text paths recorded at training are found from another directory through the
     absolute paths recorded beside them; a read-only layer folder keeps the measured table on screen;
     --eval-tokens 0 is refused."""
@@ -359,7 +420,9 @@ def test_eval_from_another_folder_finds_what_the_record_names_and_says_what_it_c
     assert main(["train", *stream, "--blocks", "1", *learn, "--out", "run"]) == 0
     folder = work / "run" / "final" / "L1.transcoder.k2.m8"
     monkeypatch.chdir(other)
-    assert main(["eval", str(folder), "--eval-tokens", "120", "--context-size", "12", "--write", "false"]) == 0
+    assert (
+        main(["eval", str(folder), "--eval-tokens", "120", "--context-size", "12", "--write", "false"]) == 0
+    )
     assert asked[-1] == str(work / "models" / "m")
     with pytest.raises(SystemExit, match="--eval-tokens 0: evaluate at least one row"):
         main(["eval", str(folder), "--eval-tokens", "0", "--context-size", "12"])
@@ -371,12 +434,19 @@ def test_eval_from_another_folder_finds_what_the_record_names_and_says_what_it_c
     capsys.readouterr()
     with pytest.raises(SystemExit, match=r"measured, but not recorded .*Permission denied.*--nowrite"):
         main(["eval", str(folder), "--eval-tokens", "120", "--context-size", "12"])
-    assert "L1.transcoder.k2.m8" in capsys.readouterr().out and "delta_ce" not in (folder / "cfg.json").read_text()
+    assert (
+        "L1.transcoder.k2.m8" in capsys.readouterr().out
+        and "delta_ce" not in (folder / "cfg.json").read_text()
+    )
     (work / "corpus.txt").unlink()
-    with pytest.raises(SystemExit, match=r"training text 'corpus.txt' recorded in .*cfg.json .*not found from .*give --text"):
+    with pytest.raises(
+        SystemExit, match=r"training text 'corpus.txt' recorded in .*cfg.json .*not found from .*give --text"
+    ):
         main(["eval", str(folder), "--eval-tokens", "120", "--context-size", "12"])
     shutil.rmtree(work / "models")
-    with pytest.raises(SystemExit, match=r"the model 'models/m' named in .*cfg.json .*not found .*give --model"):
+    with pytest.raises(
+        SystemExit, match=r"the model 'models/m' named in .*cfg.json .*not found .*give --model"
+    ):
         main(["eval", str(folder), "--eval-tokens", "120", "--context-size", "12"])
 
 
@@ -395,7 +465,16 @@ def test_the_bundled_text_is_recorded_by_its_package_name(tmp_path, monkeypatch)
     assert data.resolve_text(name) == data.default_text()
     assert next(iter(data.iter_texts(name))) == next(iter(data.iter_texts(data.default_text())))
     assert data.source_digests(name) == data.source_digests(data.default_text())
-    stream = ["--model", "tiny", "--text", str(data.default_text()), "--context-size", "12", "--rows-per-block", "16"]
+    stream = [
+        "--model",
+        "tiny",
+        "--text",
+        str(data.default_text()),
+        "--context-size",
+        "12",
+        "--rows-per-block",
+        "16",
+    ]
     learn = ["--arch", "transcoder", "--k", "2", "--tokens", "160", "--batch-tokens", "32", "--no-progress"]
     assert main(["train", *stream, "--blocks", "1", *learn, "--out", str(tmp_path / "run")]) == 0
     folder = tmp_path / "run" / "final" / "L1.transcoder.k2.m8"

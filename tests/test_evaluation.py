@@ -185,9 +185,13 @@ def test_standard_errors_are_those_of_the_per_batch_values():
 
     model = make_model("gated")
     layer = randomise(TopKTranscoder.for_model(model, 1, d_sae=16, k=3), 0, scale=0.3)
-    batches = [torch.randint(0, D_VOCAB, (3, 10), generator=torch.Generator().manual_seed(i)) for i in range(5)]
+    batches = [
+        torch.randint(0, D_VOCAB, (3, 10), generator=torch.Generator().manual_seed(i)) for i in range(5)
+    ]
     (row,) = evaluate(model, [layer], batches, baselines=False, jacobian_tokens=0, progress=False)
-    alone = [evaluate(model, [layer], [b], baselines=False, jacobian_tokens=0, progress=False)[0] for b in batches]
+    alone = [
+        evaluate(model, [layer], [b], baselines=False, jacobian_tokens=0, progress=False)[0] for b in batches
+    ]
     for key, se in (("delta_ce", "delta_ce_se"), ("kl", "kl_se")):
         values = [r[key] for r in alone]
         mean = sum(values) / 5
@@ -223,7 +227,9 @@ def test_each_evaluation_text_keeps_its_own_record(tmp_path, capsys, monkeypatch
     seen = [(r["text"]["text"], r["tokens"]) for r in meta["evaluations"]]
     assert [(t, n) for t, n in seen] == [(str(other), 110), (str(corpus), 220), (str(corpus), 110)]
     assert meta["evaluation"] == meta["evaluations"][-1]
-    assert "silent on 110 tokens" in printed and "delta_ce ± se" in printed and "zero_ablation_cost" in printed
+    assert (
+        "silent on 110 tokens" in printed and "delta_ce ± se" in printed and "zero_ablation_cost" in printed
+    )
     assert "ce_clean" in printed
     capsys.readouterr()
     assert main(["info", str(tmp_path / "L1")]) == 0

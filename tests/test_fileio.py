@@ -54,7 +54,9 @@ def test_the_temporary_file_is_unique_in_the_same_folder_and_removed_on_failure(
     assert target.read_bytes() == b"new" and sorted(p.name for p in tmp_path.iterdir()) == ["data.bin"]
 
 
-def test_an_interrupted_checkpoint_leaves_no_temporary_and_a_killed_ones_is_removed_by_the_next_lock(tmp_path):
+def test_an_interrupted_checkpoint_leaves_no_temporary_and_a_killed_ones_is_removed_by_the_next_lock(
+    tmp_path,
+):
     import stat
 
     from mxd_lens.checkpoints import RunLock, save_checkpoint_dir
@@ -75,7 +77,9 @@ def test_an_interrupted_checkpoint_leaves_no_temporary_and_a_killed_ones_is_remo
         assert not killed.exists()
     old = os.umask(0o022)
     try:
-        final = save_checkpoint_dir(checkpoints, 8, lambda folder: (folder / "state.pt").write_bytes(b"s"), keep=2)
+        final = save_checkpoint_dir(
+            checkpoints, 8, lambda folder: (folder / "state.pt").write_bytes(b"s"), keep=2
+        )
     finally:
         os.umask(old)
     assert stat.S_IMODE(final.stat().st_mode) == 0o755  # as mkdir gives, so a colleague can resume

@@ -55,7 +55,9 @@ def test_a_damaged_layer_is_named_and_nothing_is_staged_or_uploaded(run, tmp_pat
     final, _ = run
     weights = final / "L1.mxd.k2.m8" / "sae_weights.safetensors"
     weights.write_bytes(weights.read_bytes()[:-40])
-    with pytest.raises(SystemExit, match=r"L1.mxd.k2.m8/sae_weights\.safetensors is not a readable safetensors file"):
+    with pytest.raises(
+        SystemExit, match=r"L1.mxd.k2.m8/sae_weights\.safetensors is not a readable safetensors file"
+    ):
         main(["publish", str(final), "--repo-id", "user/tiny", "--dry-run", str(tmp_path / "out")])
     assert not (tmp_path / "out").exists()
 

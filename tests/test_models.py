@@ -317,8 +317,10 @@ def test_the_default_models_file_is_checked_against_its_pinned_hash_once(monkeyp
     monkeypatch.setattr(models, "DEFAULT_GGUF_SHA256", good)
     opened = []
     real_open = open
+    import mxd_lens.fileio  # the one file hasher
+
     monkeypatch.setattr(
-        models, "open", lambda p, *a, **k: opened.append(p) or real_open(p, *a, **k), raising=False
+        mxd_lens.fileio, "open", lambda p, *a, **k: opened.append(p) or real_open(p, *a, **k), raising=False
     )
     assert models.default_model_path() == path
     assert models.default_model_path() == path  # same path, size and mtime: not hashed again

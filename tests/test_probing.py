@@ -146,7 +146,9 @@ def test_pooled_cache_tells_apart_two_models_with_one_name(text_model, tmp_path)
     pooled activations: the cache is keyed by the model's identity, not its short name."""
     import copy
 
-    task_set = jsonl_task_set(labelled_file(tmp_path / "a.jsonl.xz", n_per_class=5), ["cat", "dog"], per_class=5)
+    task_set = jsonl_task_set(
+        labelled_file(tmp_path / "a.jsonl.xz", n_per_class=5), ["cat", "dog"], per_class=5
+    )
     examples = task_set.load()
     other = copy.deepcopy(text_model)
     with torch.no_grad():

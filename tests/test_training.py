@@ -140,13 +140,21 @@ def test_resume_matches_the_text_by_content_not_by_how_its_path_was_spelled(tmp_
     "path" beside it, as runs record now); another digest is refused."""
     info = {"text": "data/a.txt", "split": "train", "eval_fraction": 0.02, "split_seed": 0,
             "digests": {"a.txt": "sha256:" + "1" * 64}}  # fmt: skip
-    crash_at(Trainer(SPECS[:1], source(), config(), tmp_path, progress=False, data_info=info), 17, monkeypatch)
+    crash_at(
+        Trainer(SPECS[:1], source(), config(), tmp_path, progress=False, data_info=info), 17, monkeypatch
+    )
     moved = {**info, "text": "/elsewhere/data/a.txt", "path": "/elsewhere/data/a.txt"}
     Trainer(SPECS[:1], source(), config(), tmp_path, progress=False, data_info=moved).fit(resume=True)
-    crash_at(Trainer(SPECS[:1], source(), config(), tmp_path / "b", progress=False, data_info=info), 17, monkeypatch)
+    crash_at(
+        Trainer(SPECS[:1], source(), config(), tmp_path / "b", progress=False, data_info=info),
+        17,
+        monkeypatch,
+    )
     edited = {**info, "digests": {"a.txt": "sha256:" + "2" * 64}}
     with pytest.raises(ValueError, match="trained on other data"):
-        Trainer(SPECS[:1], source(), config(), tmp_path / "b", progress=False, data_info=edited).fit(resume=True)
+        Trainer(SPECS[:1], source(), config(), tmp_path / "b", progress=False, data_info=edited).fit(
+            resume=True
+        )
 
 
 def test_block_index_under_its_old_name_still_works(tmp_path, monkeypatch):
@@ -292,12 +300,17 @@ def test_bad_sizes_from_the_shell_name_the_option(tmp_path, cache):
         (["--checkpoint-every", "-1"], r"checkpoint_every=-1 \(--checkpoint-every\) must be >= 0"),
         (["--lr", "-1e-3"], r"lr=-0.001 must be > 0"),  # a negative value reaches the field's check
         (["--k", "-2"], r"k=-2 \(--k\) must be positive"),
-        (["--batch-tokens", "30000", "--tokens", "60000"], r"batch_tokens=30,000 \(--batch-tokens\) is more than the whole cache \(21,120 tokens\)"),
+        (
+            ["--batch-tokens", "30000", "--tokens", "60000"],
+            r"batch_tokens=30,000 \(--batch-tokens\) is more than the whole cache \(21,120 tokens\)",
+        ),
     ]
     for extra, message in cases:
         with pytest.raises(SystemExit, match=message):
             main([*base, "--tokens", "640", *extra, "--out", str(tmp_path / "run")])
-    with pytest.warns(UserWarning, match=r"norm_tokens=65,536 \(--norm-tokens\) is more than the cache holds \(21,120"):
+    with pytest.warns(
+        UserWarning, match=r"norm_tokens=65,536 \(--norm-tokens\) is more than the cache holds \(21,120"
+    ):
         main([*base, "--tokens", "3200", "--batch-tokens", "32", "--out", str(tmp_path / "ok")])
 
 

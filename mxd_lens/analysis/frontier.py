@@ -33,7 +33,7 @@ from mxd_lens import data
 from mxd_lens.activations import MANIFEST, CachedActivations, ModelActivations, StreamConfig, write_cache
 from mxd_lens.config import FrontierConfig  # noqa: F401 (re-exported)
 from mxd_lens.evaluation import check_disjoint, evaluate, held_out_batches
-from mxd_lens.fileio import atomic_write_text
+from mxd_lens.fileio import atomic_to_csv, atomic_write_text
 from mxd_lens.layers import arch_label
 from mxd_lens.training import LearnerSpec, Trainer
 
@@ -181,7 +181,7 @@ def write_results(rows: list[dict[str, Any]], config: FrontierConfig, out: Path)
     }
     atomic_write_text(out / "frontier.json", json.dumps(record, indent=2))
     table = pd.DataFrame(rows)
-    table.to_csv(out / "frontier.csv", index=False)
+    atomic_to_csv(table, out / "frontier.csv", index=False)
     plot_frontier(table, out / "frontier.png")
 
 

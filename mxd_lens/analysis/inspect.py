@@ -29,6 +29,7 @@ from tqdm.auto import tqdm
 
 from mxd_lens import hooks
 from mxd_lens.config import InspectStudy  # noqa: F401 (re-exported)
+from mxd_lens.fileio import atomic_to_csv
 from mxd_lens.layers.base import MLPReplacement, _atomic_write
 
 COLUMNS = ("feature", "rank", "activation", "token", "left", "right", "row", "position")
@@ -345,7 +346,7 @@ def write_top_contexts(
     table = top_activations(model, layer, batches, features, n=n, progress=progress)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    table.to_csv(out / f"{name}.csv", index=False)
+    atomic_to_csv(table, out / f"{name}.csv", index=False)
     to_html(table, f"{name}: top contexts over {table.attrs['tokens']:,} tokens", out / f"{name}.html")
     return table
 

@@ -30,7 +30,7 @@ from tqdm.auto import tqdm
 from mxd_lens import hooks
 from mxd_lens.analysis.tasks import Examples, TaskSet, binary_task, splits
 from mxd_lens.config import ProbingStudy  # noqa: F401 (re-exported)
-from mxd_lens.fileio import atomic_write, atomic_write_text
+from mxd_lens.fileio import atomic_to_csv, atomic_write, atomic_write_text
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -617,10 +617,10 @@ def write_probing_report(
     import pandas as pd
 
     layer_labels = {s: label for s, label in labels.items() if s != label and " K=" in label}
-    table.to_csv(out / "probing.csv", index=False)
+    atomic_to_csv(table, out / "probing.csv", index=False)
     summary = summarize(table)
     summary.insert(0, "label", [labels.get(s, s) for s in summary.index])
-    summary.to_csv(out / "summary.csv")
+    atomic_to_csv(summary, out / "summary.csv")
     table = _with_protocol(table)
     for protocol in sorted(set(table.protocol) - {"saebench"}):  # the paper's k = 1 protocols, one file each
         other = pd.concat(
@@ -633,10 +633,10 @@ def write_probing_report(
         other.columns = [f"{m} {c}" for m, c in other.columns]
         other = other.drop(index=[s for s in other.index if s.split(".")[0] in DENSE], errors="ignore")
         other.insert(0, "label", [labels.get(s, s) for s in other.index])
-        other.to_csv(out / f"summary_{protocol}.csv")
+        atomic_to_csv(other, out / f"summary_{protocol}.csv")
         summary.attrs[protocol] = other
     pairs = paired_comparisons(table, layer_labels)
-    pairs.to_csv(out / "paired.csv", index=False)
+    atomic_to_csv(pairs, out / "paired.csv", index=False)
     record = {**record, "rows": json.loads(table.to_json(orient="records"))}
     atomic_write_text(out / "probing.json", json.dumps(record, indent=1))
     plot_probing(table, layer_labels, out / "probing.png")

@@ -363,7 +363,7 @@ def run_steering_study(
 
     from mxd_lens.analysis.inspect import write_top_contexts
     from mxd_lens.analysis.probing import PooledCache
-    from mxd_lens.fileio import atomic_write_text
+    from mxd_lens.fileio import atomic_to_csv, atomic_write_text
     from mxd_lens.layers.io import load_layers
 
     layers = {name: layer for name, layer in load_layers(study.layers).items() if layer.cfg.k == study.k}
@@ -377,7 +377,7 @@ def run_steering_study(
         model, targets, study.multiples, [PerplexityScorer(model)], prompt=study.prompt,
         n_samples=study.samples, max_new_tokens=study.new_tokens, seed=study.seed, progress=progress,
     )  # fmt: skip
-    table.to_csv(out / "steering.csv", index=False)
+    atomic_to_csv(table, out / "steering.csv", index=False)
     record = {"command": command, "study": asdict(study), "rows": json.loads(table.to_json(orient="records"))}
     atomic_write_text(out / "steering.json", json.dumps(record, indent=1))
     plot_sweep(table, out / "steering.png")

@@ -103,7 +103,9 @@ def describe_layer(folder: str | Path) -> Any:
     except FileNotFoundError:
         raise FileNotFoundError(f"{path} holds no {SAE_CFG_FILENAME}: not a saved layer") from None
     except json.JSONDecodeError as err:
-        raise ValueError(f"{path / SAE_CFG_FILENAME} is not valid JSON (truncated or damaged?): {err}") from None
+        raise ValueError(
+            f"{path / SAE_CFG_FILENAME} is not valid JSON (truncated or damaged?): {err}"
+        ) from None
     meta = cfg.get("metadata") or {}
     training = meta.get("training") or {}
     evaluation = meta.get("evaluation") or {}

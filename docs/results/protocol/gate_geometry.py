@@ -28,5 +28,7 @@ for name, layer in load_layers(final).items():
         spread = (lin - lin.mean(0)).std(0)
         cos = torch.nn.functional.cosine_similarity(layer.W_enc.T, x.mean(0)[None], dim=-1)
     for label, m in (("always on", usage > 0.5), ("other used", (usage <= 0.5) & (usage > 0))):
-        print(f"{name:36s} {label:10s} n={int(m.sum()):4d}  x̄G {mean_part[m].median():+.2f}  b {layer.b_enc[m].median():+.2f}  "
-              f"sd((x-x̄)G) {spread[m].median():.2f}  cos(G_n, x̄) {cos[m].median():+.2f}")
+        print(
+            f"{name:36s} {label:10s} n={int(m.sum()):4d}  x̄G {mean_part[m].median():+.2f}  b {layer.b_enc[m].median():+.2f}  "
+            f"sd((x-x̄)G) {spread[m].median():.2f}  cos(G_n, x̄) {cos[m].median():+.2f}"
+        )
