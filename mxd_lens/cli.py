@@ -174,14 +174,18 @@ def _eval(args: argparse.Namespace) -> int:
     """Splice each saved layer alone into the model on held-out text and measure ΔCE, KL, FVU, L0,
     dead fraction and CE recovered; the results go into each layer's cfg.json (metadata.evaluation)
     and an eval.json beside it, and a table is printed."""
+    import json
+
     from mxd_lens.evaluation import evaluate_saved
-    from mxd_lens.layers.io import layer_folders, load_layer
+    from mxd_lens.layers.io import layer_folders
     from mxd_lens.models import load_model
 
     name, tl_name = args.model.model, args.model.tl_name
     if name is None:  # the model the first layer was trained on, when load_model can name it
         first = layer_folders(args.layers.layers)[0]
-        record = (load_layer(first).cfg.metadata.training or {}).get("model") or {}
+        # the record alone, from cfg.json (evaluate_saved loads the layers themselves, once)
+        meta = json.loads((first / "cfg.json").read_text()).get("metadata") or {}
+        record = (meta.get("training") or {}).get("model") or {}
         name = recorded_model(record, first)
         tl_name = tl_name or record.get("tl_name")
     from mxd_lens.evaluation import EvaluationNotRecorded

@@ -500,6 +500,12 @@ class Trainer(TrainingLoop):
             layers[name] = layer
         return layers
 
+    def _folded(self) -> dict[str, MLPReplacement]:
+        """``trained_layers`` once per step: the last checkpoint and the final layers share one fold."""
+        if getattr(self, "_folded_at", None) is None or self._folded_at[0] != self.step:
+            self._folded_at = (self.step, self.trained_layers())
+        return self._folded_at[1]
+
     # -- checkpoints (written and found by TrainingLoop) -------------------------------------------
     def resume_free(self) -> tuple[str, ...]:
         return _FREE
@@ -521,7 +527,7 @@ class Trainer(TrainingLoop):
         return saved
 
     def write_state(self, folder: Path) -> None:
-        folded = self.trained_layers()
+        folded = self._folded()
         for name, learner in self.learners.items():
             folded[name].save_model(folder / name)
             torch.save(
@@ -617,7 +623,7 @@ class Trainer(TrainingLoop):
         if self.rank:
             return {}
         paths = {}
-        for name, layer in self.trained_layers().items():
+        for name, layer in self._folded().items():
             if name in metrics:
                 layer.cfg.metadata.training["metrics"] = metrics[name]
             paths[name] = self.out_dir / "final" / name

@@ -314,6 +314,27 @@ def test_bad_sizes_from_the_shell_name_the_option(tmp_path, cache):
         main([*base, "--tokens", "3200", "--batch-tokens", "32", "--out", str(tmp_path / "ok")])
 
 
+def test_the_last_checkpoint_and_the_final_layers_share_one_fold(tmp_path, monkeypatch):
+    """A run whose last step is also a checkpoint folds each learner's scales once for both."""
+    from mxd_lens.layers import MLPReplacement
+
+    calls = []
+    real = MLPReplacement.fold_activation_scales
+    monkeypatch.setattr(
+        MLPReplacement, "fold_activation_scales", lambda self, *a: calls.append(1) or real(self, *a)
+    )
+    trainer = Trainer(
+        SPECS[:1], source(), config(total_tokens=64 * 20, checkpoint_every=10), tmp_path, progress=False
+    )
+    trainer.fit()
+    assert len(calls) == 2  # steps 10 and 20; the final layers reuse step 20's
+    saved = load_file(tmp_path / "final" / SPECS[0].name / "sae_weights.safetensors")
+    checkpoint = load_file(
+        tmp_path / "checkpoints" / "step_000000020" / SPECS[0].name / "sae_weights.safetensors"
+    )
+    assert all(torch.equal(saved[k], checkpoint[k]) for k in saved)
+
+
 def test_mlp_init_starts_from_the_host_weights(tmp_path):
     live = source("gated")
     trainer = Trainer(
