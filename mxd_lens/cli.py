@@ -121,11 +121,15 @@ class TrainCommand:
 
     def __post_init__(self) -> None:
         from mxd_lens.layers import ARCHITECTURES, parse_arch
+        from mxd_lens.layers.registry import load_plugins
 
+        if any(parse_arch(a)[0] not in ARCHITECTURES for a in self.arch):
+            load_plugins()
         unknown = [a for a in self.arch if parse_arch(a)[0] not in ARCHITECTURES]
         if unknown:
             raise ValueError(
-                f"--arch {' '.join(unknown)}: not a key of mxd_lens.ARCHITECTURES {list(ARCHITECTURES)}"
+                f"--arch {' '.join(unknown)}: not a key of mxd_lens.ARCHITECTURES {list(ARCHITECTURES)} "
+                "(a third-party architecture: `mxd-lens --import MODULE train ...`, or install its plug-in)"
             )
 
 
@@ -717,6 +721,13 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
         prog="mxd-lens", description="Sparse MLP replacements for TransformerLens models."
     )
     parser.add_argument(
+        "--import",
+        metavar="MODULE",
+        action="append",
+        help="import MODULE first (repeatable), e.g. one that registers an architecture for --arch; "
+        "installed plug-ins declare an 'mxd_lens.architectures' entry point instead",
+    )
+    parser.add_argument(
         "--debug",
         action="store_true",
         help="show the full traceback of an error (also: MXD_LENS_DEBUG=1); without it, one line",
@@ -826,8 +837,36 @@ def _number(word: str) -> bool:
     return True
 
 
+def _imported_modules(words: list[str]) -> list[str]:
+    """Import each ``--import MODULE`` (anywhere on the line; the current directory is importable) and
+    return the line without them: a module that registers an architecture makes its key a valid
+    ``--arch`` before the options are checked."""
+    import importlib
+
+    rest, modules = [], []
+    it = iter(words)
+    for word in it:
+        if word == "--import":
+            modules.append(next(it, ""))
+        elif word.startswith("--import="):
+            modules.append(word.removeprefix("--import="))
+        else:
+            rest.append(word)
+    if modules and "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    for module in modules:
+        if not module:
+            raise SystemExit("mxd-lens: --import needs a module name")
+        try:
+            importlib.import_module(module)
+        except ImportError as err:
+            raise SystemExit(f"mxd-lens: --import {module}: {err}") from None
+    return rest
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = _joined_negative_values(sys.argv[1:] if argv is None else list(argv))
+    argv = _imported_modules(argv)
     words = argv
     parser = build_parser(only=next((w for w in words if not w.startswith("-")), ""))
     try:

@@ -89,3 +89,56 @@ def test_old_names_warn_and_still_work():
         from mxd_lens.layers import SkipTranscoderConfig  # noqa: F401
     with pytest.raises(AttributeError):
         mxd_lens.NoSuchThing  # noqa: B018
+
+
+def test_the_documented_architecture_trains_from_the_shell(tmp_path):
+    """`mxd-lens --import MODULE train --arch KEY`: the doc's example as a module file, trained by the CLI
+    in a subprocess from a small cache."""
+    import subprocess
+
+    from mxd_lens.activations import write_cache
+
+    (block,) = re.findall(r"```python\n(.*?)```", DOC.read_text(), flags=re.S)
+    (tmp_path / "my_layers.py").write_text(block)
+    source = ModelActivations(make_model("gated"), [1], random_rows(), context_size=12, rows_per_block=16)
+    write_cache(source, tmp_path / "cache", n_blocks=4, progress=False)
+    argv = ["--import", "my_layers", "train", "--cache", "cache", "--arch", KEY, "--k", "4", "--tokens", "640",
+            "--batch-tokens", "64", "--norm-tokens", "64", "--no-progress", "--out", "run"]  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "mxd_lens.cli", *argv], cwd=tmp_path, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert (tmp_path / "run" / "final" / f"L1.{KEY}.k4.m8" / "cfg.json").is_file()
+    refused = subprocess.run(
+        [sys.executable, "-m", "mxd_lens.cli", *argv[2:]], cwd=tmp_path, capture_output=True, text=True
+    )
+    assert refused.returncode != 0 and "--import MODULE" in refused.stderr
+
+
+def test_an_installed_plugin_is_registered_from_its_entry_point(monkeypatch):
+    """An 'mxd_lens.architectures' entry point naming a class registers it on first use of an unknown key."""
+    import importlib.metadata
+
+    from mxd_lens.layers import registry
+
+    module = types.ModuleType("plugin_pkg")
+    (block,) = re.findall(r"```python\n(.*?)```", DOC.read_text(), flags=re.S)
+    sys.modules["plugin_pkg"] = module  # a real module: dataclasses look it up
+    exec(compile(block.replace("mxd_lens.register_architecture(", "(lambda *a: None)("), "plugin", "exec"),
+         module.__dict__)  # fmt: skip
+    point = importlib.metadata.EntryPoint(
+        "plugged", "plugin_pkg:LowRankSkipTranscoder", registry.PLUGIN_GROUP
+    )
+    monkeypatch.setattr(
+        importlib.metadata, "entry_points", lambda group: [point] if group == registry.PLUGIN_GROUP else []
+    )
+    monkeypatch.setattr(registry, "_PLUGINS_LOADED", False)
+    try:
+        assert "plugged" not in mxd_lens.ARCHITECTURES
+        assert registry.get_architecture("plugged") is module.LowRankSkipTranscoder
+        assert LearnerSpec("plugged", 1, k=4).name == "L1.plugged.k4.m8"
+    finally:
+        layer_cls = mxd_lens.ARCHITECTURES.pop("plugged", None)
+        if layer_cls is not None:
+            SAE_CLASS_REGISTRY.pop(layer_cls.config_class.architecture(), None)
+        del sys.modules["plugin_pkg"]

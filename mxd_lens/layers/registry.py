@@ -53,11 +53,52 @@ def register_architecture(key: str, layer_cls: type[MLPReplacement]) -> type[MLP
 
 
 def get_architecture(key: str) -> type[MLPReplacement]:
-    """The layer class registered under ``key``; a clear error naming the choices otherwise."""
+    """The layer class registered under ``key`` (installed plug-ins are loaded first if it is not
+    there yet); a clear error naming the choices otherwise."""
+    if key not in ARCHITECTURES:
+        load_plugins()
     try:
         return ARCHITECTURES[key]
     except KeyError:
-        raise ValueError(f"architecture {key!r} unknown; choose one of {list(ARCHITECTURES)}") from None
+        raise ValueError(
+            f"architecture {key!r} unknown; choose one of {list(ARCHITECTURES)} (a third-party one: install "
+            "its package, which declares an 'mxd_lens.architectures' entry point, or `mxd-lens --import MODULE`)"
+        ) from None
+
+
+PLUGIN_GROUP = "mxd_lens.architectures"
+_PLUGINS_LOADED = False
+
+
+def load_plugins() -> list[str]:
+    """Register the architectures installed packages declare under the entry-point group
+    ``mxd_lens.architectures`` (once per process): ``name = "pkg.module:LayerClass"`` registers the class
+    under ``name``; ``name = "pkg.module"`` imports the module, which registers its own. Returns the
+    names loaded now. A plug-in that fails to load is an error naming it."""
+    global _PLUGINS_LOADED
+    if _PLUGINS_LOADED:
+        return []
+    _PLUGINS_LOADED = True
+    from importlib.metadata import entry_points
+
+    from mxd_lens.layers.base import MLPReplacement
+
+    loaded = []
+    for point in entry_points(group=PLUGIN_GROUP):
+        try:
+            target = point.load()
+        except Exception as err:
+            raise RuntimeError(
+                f"the {PLUGIN_GROUP} plug-in {point.name!r} ({point.value}) failed to load: {err}"
+            ) from err
+        if (
+            isinstance(target, type)
+            and issubclass(target, MLPReplacement)
+            and point.name not in ARCHITECTURES
+        ):
+            register_architecture(point.name, target)
+        loaded.append(point.name)
+    return loaded
 
 
 def architecture_key(layer: Any) -> str:
