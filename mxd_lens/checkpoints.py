@@ -28,7 +28,6 @@ class RunLocked(RuntimeError):
     """Another process holds the run folder's lock."""
 
 
-write_text_atomic = atomic_write_text  # the name the SPD trainers import
 TMP_PREFIX = ".tmp-"  # a checkpoint folder being written: checkpoints/.tmp-step_000001000.XXXX
 
 
@@ -90,7 +89,7 @@ def save_checkpoint_dir(checkpoint_dir: Path, step: int, fill: Callable[[Path], 
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         tmp = None
-        write_text_atomic(checkpoint_dir / "latest", final.name)
+        atomic_write_text(checkpoint_dir / "latest", final.name)
     except (OSError, RuntimeError) as err:
         raise CheckpointError(
             f"could not write checkpoint {final.name} ({err}); the last good checkpoint is "

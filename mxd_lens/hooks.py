@@ -1,4 +1,4 @@
-"""The one place that knows hook names: where block L's MLP reads and writes, and splicing.
+"""Where block L's MLP reads and writes (the hook names a layer's metadata records), and splicing.
 
 Where a layer reads: the exact input of ``blocks.L.mlp`` (after ln2 and its affine weights). SAELens's
 ``HookedSAETransformer`` names it ``blocks.L.mlp.hook_in``, which is what a layer's metadata records.

@@ -310,7 +310,7 @@ def _text(s: Any) -> str:
     return html.escape(str(s), quote=True).replace("\r\n", "↵").replace("\n", "↵").replace("\r", "↵")
 
 
-# -- the study (analyses/inspect_features.py, the steering study, a notebook) -----------------------
+# -- the study (mxd-lens inspect, the steering study, a notebook) ----------------------------------
 def text_batches(
     model: Any, sources: Sequence[str | Path] | None, tokens: int, context_size: int, rows: int = 8
 ) -> Iterable[torch.Tensor]:

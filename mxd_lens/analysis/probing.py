@@ -539,7 +539,7 @@ def plot_probing(table: pd.DataFrame, labels: Mapping[str, str], path: str | Pat
     return fig
 
 
-# -- the study (analyses/sparse_probing.py, a notebook) --------------------------------------------
+# -- the study (mxd-lens probe, a notebook) --------------------------------------------------------
 def paired_comparisons(table: pd.DataFrame, labels: Mapping[str, str]) -> pd.DataFrame:
     """MxD against each other method at the same K: ``paired_difference`` per k, one block per pair."""
     import pandas as pd

@@ -282,7 +282,7 @@ def plot_sweep(
     return fig
 
 
-# -- the study (analyses/steering.py, a notebook) ---------------------------------------------------
+# -- the study (mxd-lens steer, a notebook) -----------------------------------------------------------
 def steering_targets(
     model: HookedTransformer, study: SteeringStudy, layers: Mapping[str, MLPReplacement], store: Any
 ) -> list[dict[str, Any]]:
