@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from simple_parsing import field
 
-from mxd_lens.analysis.probing import merge_probing, print_probing
+from mxd_lens.analysis.probing import format_probing, merge_probing
 from mxd_lens.cli import parse_config
 
 
@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
         results = merge_probing(merge.studies, merge.out, command=command)
     except (ValueError, FileNotFoundError) as err:
         raise SystemExit(f"merge_probing: {err}") from None
-    print_probing(results)
+    print(format_probing(results))
     print(f"\nwrote {merge.out}/")
     return 0
 

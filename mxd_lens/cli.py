@@ -293,7 +293,7 @@ def _run_study(args: argparse.Namespace, verb: str, folder: str, run: Any) -> An
 def _probe(args: argparse.Namespace) -> int:
     """Sparse probing of saved layers on the offline suite (or SAEBench's): OUT/probing/{probing.csv,
     summary.csv, paired.csv, probing.json, probing.png}."""
-    from mxd_lens.analysis.probing import print_probing, run_probing_study
+    from mxd_lens.analysis.probing import format_probing, run_probing_study
 
     out, results = _run_study(
         args,
@@ -301,7 +301,7 @@ def _probe(args: argparse.Namespace) -> int:
         "probing",
         lambda model, study, out: run_probing_study(model, study, out, command=_command()),
     )
-    print_probing(results)
+    print(format_probing(results))
     print(f"\nwrote {out}/")
     return 0
 

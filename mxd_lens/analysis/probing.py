@@ -643,16 +643,19 @@ def write_probing_report(
     return {"table": table, "summary": summary, "paired": pairs}
 
 
-def print_probing(results: Mapping[str, pd.DataFrame]) -> None:
-    """The summary and the paired differences of a study's (or a merge's) results, as markdown."""
-    print(results["summary"].round(3).to_markdown())
+def format_probing(results: Mapping[str, pd.DataFrame]) -> str:
+    """The summary and the paired differences of a study's (or a merge's) results, as markdown text
+    (the CLI prints it; the library does not print)."""
+    parts = [results["summary"].round(3).to_markdown()]
     for protocol, other in results["summary"].attrs.items():
         note = " (feature selected on the test split: flatters weak features)" if protocol == "paper" else ""
-        print(f"\nProtocol {protocol}, k = 1{note}:")
-        print(other.round(3).to_markdown())
+        parts.append(f"\nProtocol {protocol}, k = 1{note}:\n" + other.round(3).to_markdown())
     if len(results["paired"]):
-        print("\nPaired differences in test accuracy (same task), mean over tasks:")
-        print(results["paired"].round(3).to_markdown(index=False))
+        parts.append(
+            "\nPaired differences in test accuracy (same task), mean over tasks:\n"
+            + results["paired"].round(3).to_markdown(index=False)
+        )
+    return "\n".join(parts)
 
 
 def read_probing_table(folder: str | Path) -> pd.DataFrame:
