@@ -128,18 +128,13 @@ def model_card(repo_id: str, layers: Sequence[tuple[str, dict[str, Any]]]) -> st
                          f"(digests {', '.join(f'{k} {v}' for k, v in (data.get('digests') or {}).items())})"
                          + (f"; evaluated on {evaluation.get('tokens', 0):,} held-out tokens of "
                             f"`{Path(str((evaluation.get('text') or {}).get('text'))).name}`" if evaluation else "; not evaluated"))  # fmt: skip
+    from huggingface_hub import ModelCard, ModelCardData
+
     table = pd.DataFrame(rows).to_markdown(index=False, disable_numparse=True)
     example = layers[0][0]
-    return "\n".join(
+    data = ModelCardData(library_name="saelens", tags=["mxd-lens", "sparse-autoencoder", "transcoder"])
+    body = "\n".join(
         [
-            "---",
-            "library_name: saelens",
-            "tags:",
-            "- mxd-lens",
-            "- sparse-autoencoder",
-            "- transcoder",
-            "---",
-            "",
             f"# {repo_id}",
             "",
             f"MLP replacements for {', '.join(models)}, trained with "
@@ -165,6 +160,8 @@ def model_card(repo_id: str, layers: Sequence[tuple[str, dict[str, Any]]]) -> st
             "",
         ]
     )
+    # the hub's own card type: its front matter is written (and checked) by huggingface_hub
+    return str(ModelCard(f"---\n{data.to_yaml()}\n---\n\n{body}"))
 
 
 def _check_repo_id(repo_id: str) -> None:
