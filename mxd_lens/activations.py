@@ -43,7 +43,7 @@ from tqdm.auto import tqdm
 
 from mxd_lens import hooks
 from mxd_lens.config import StreamConfig  # noqa: F401 (re-exported: it configures this module's stream)
-from mxd_lens.fileio import atomic_write, atomic_write_text, file_digest
+from mxd_lens.fileio import _umask, atomic_write, atomic_write_text, file_digest
 
 MANIFEST = "manifest.json"
 SHARDS = (
@@ -355,31 +355,28 @@ def _writer_pid(path: Path) -> str | None:
 
 @contextmanager
 def cache_lock(path: str | Path) -> Iterator[None]:
-    """Hold the writer's lock on the cache folder ``path`` (``flock`` on ``path/.lock``, which names
-    the holder's pid); raise :class:`CacheLockedError` at once if another process holds it."""
-    import fcntl
+    """Hold the writer's lock on the cache folder ``path`` (a ``filelock.FileLock`` on ``path/.lock``,
+    which names the holder's pid); raise :class:`CacheLockedError` at once if another process holds it."""
+    from filelock import FileLock, Timeout
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    lock = path / LOCK
-    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o666)
+    lock_file = path / LOCK
+    lock = FileLock(lock_file, timeout=0, mode=0o666 & ~_umask())  # as open() would make it
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = lock.read_text().strip() or "unknown"
-            raise CacheLockedError(
-                f"{path} is being written by another process (pid {holder}, per {lock}); "
-                "wait for it to finish, or write to another folder"
-            ) from None
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()}\n".encode())
-        try:
-            yield
-        finally:
-            os.ftruncate(fd, 0)
+        lock.acquire()
+    except Timeout:
+        holder = lock_file.read_text().strip() if lock_file.is_file() else ""
+        raise CacheLockedError(
+            f"{path} is being written by another process (pid {holder or 'unknown'}, per {lock_file}); "
+            "wait for it to finish, or write to another folder"
+        ) from None
+    try:
+        lock_file.write_text(f"{os.getpid()}\n")
+        yield
     finally:
-        os.close(fd)  # releases the lock
+        lock_file.write_text("")
+        lock.release()
 
 
 def write_cache(

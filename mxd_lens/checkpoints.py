@@ -9,15 +9,15 @@ that names a missing or damaged folder falls back to the newest intact one inste
 
 from __future__ import annotations
 
-import fcntl
 import os
 import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import IO
 
-from mxd_lens.fileio import atomic_write_text
+from filelock import FileLock, Timeout
+
+from mxd_lens.fileio import _umask, atomic_write_text
 
 
 class CheckpointError(OSError):
@@ -29,12 +29,6 @@ class RunLocked(RuntimeError):
 
 
 TMP_PREFIX = ".tmp-"  # a checkpoint folder being written: checkpoints/.tmp-step_000001000.XXXX
-
-
-def _umask() -> int:
-    umask = os.umask(0)
-    os.umask(umask)
-    return umask
 
 
 def remove_stale_checkpoint_temporaries(run_folder: str | Path) -> list[Path]:
@@ -105,41 +99,37 @@ def save_checkpoint_dir(checkpoint_dir: Path, step: int, fill: Callable[[Path], 
 
 
 class RunLock:
-    """An exclusive, non-blocking lock on a run folder (``folder/.lock`` holds the owner's pid), held
-    from ``acquire`` until ``release`` or the process ends; a second holder gets ``RunLocked``."""
+    """An exclusive, non-blocking lock on a run folder (``folder/.lock``, a ``filelock.FileLock``, which
+    holds the owner's pid), held from ``acquire`` until ``release`` or the process ends; a second holder
+    gets ``RunLocked`` naming the first one's pid."""
 
     def __init__(self, folder: str | Path, what: str = "run"):
         self.folder, self.what = Path(folder), what
-        self._handle: IO[str] | None = None
+        self._lock: FileLock | None = None
 
     def acquire(self) -> RunLock:
-        if self._handle is not None:
+        if self._lock is not None:
             return self
         self.folder.mkdir(parents=True, exist_ok=True)
-        handle = open(self.folder / ".lock", "a+")
+        path = self.folder / ".lock"
+        lock = FileLock(path, timeout=0, mode=0o666 & ~_umask())  # as open() would make it
         try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            handle.seek(0)
-            holder = handle.read().strip() or "unknown"
-            handle.close()
+            lock.acquire()
+        except Timeout:
+            holder = path.read_text().strip() if path.is_file() else ""
             raise RunLocked(
-                f"{self.folder} is in use by another {self.what} (pid {holder}): wait for it to finish, "
-                "or give another output folder"
+                f"{self.folder} is in use by another {self.what} (pid {holder or 'unknown'}): wait for it to "
+                "finish, or give another output folder"
             ) from None
-        handle.seek(0)
-        handle.truncate()
-        handle.write(str(os.getpid()))
-        handle.flush()
-        self._handle = handle
+        path.write_text(str(os.getpid()))  # for the message a second holder gets
+        self._lock = lock
         remove_stale_checkpoint_temporaries(self.folder)  # no one else writes here while we hold the lock
         return self
 
     def release(self) -> None:
-        if self._handle is not None:
-            fcntl.flock(self._handle, fcntl.LOCK_UN)
-            self._handle.close()
-            self._handle = None
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
 
     def __enter__(self) -> RunLock:
         return self.acquire()

@@ -66,12 +66,6 @@ def circuit_tracer_tensors(layer: Any) -> dict[str, Any]:
     return {k: v.float().contiguous().cpu() for k, v in tensors.items()}
 
 
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
 def _check_replaceable(out: Path) -> None:
     """``out`` may be written: absent, an empty folder, or an earlier export (replaced whole)."""
     if out.exists() and not out.is_dir():
@@ -96,7 +90,7 @@ def export_circuit_tracer(layers: Sequence[str | Path] | str | Path, out: str | 
     import yaml
     from safetensors.torch import save_file
 
-    from mxd_lens.fileio import atomic_write, atomic_write_text
+    from mxd_lens.fileio import _umask, atomic_write, atomic_write_text
     from mxd_lens.hooks import block_of
     from mxd_lens.layers.io import layer_folders, load_layer
     from mxd_lens.models import model_identity

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from mxd_lens.fileio import _umask
 from mxd_lens.layers.io import layer_folders, load_layer
 
 FILES = ("cfg.json", "sae_weights.safetensors")
@@ -52,9 +53,7 @@ def stage(paths: str | Path | Sequence[str | Path], repo_id: str, folder: str | 
                 shutil.copy2(layer / name, tmp / layer.name / name)
             cards.append((layer.name, json.loads((layer / "cfg.json").read_text())))
         (tmp / "README.md").write_text(model_card(repo_id, cards), encoding="utf-8")
-        mask = os.umask(0)
-        os.umask(mask)
-        os.chmod(tmp, 0o777 & ~mask)
+        os.chmod(tmp, 0o777 & ~_umask())
         if folder.exists():
             folder.rmdir()  # empty (checked above)
         os.replace(tmp, folder)
