@@ -322,3 +322,57 @@ def test_signed_codes_splice_and_pool_as_written(tmp_path):
             codes = layer.encode(io[1]["in"])[0, int(model.cfg.default_prepend_bos) :]
         assert (codes < 0).any()
         torch.testing.assert_close(pooled[i], codes.mean(0), rtol=1e-5, atol=1e-6)
+
+
+def test_topk_encode_reports_the_pre_activation_moments_of_its_matmul():
+    g = torch.Generator().manual_seed(3)
+    x, W, b = torch.randn(40, I, generator=g), torch.randn(I, N, generator=g), torch.randn(N, generator=g)
+    moments: list = []
+    ops.topk_encode(x, W, b, K, relu=False, pre_moments=moments)
+    pre = torch.stack([x[t] @ W + b for t in range(40)])  # brute force, token by token
+    torch.testing.assert_close(moments[0][0], pre.mean(0))
+    torch.testing.assert_close(moments[0][1], (pre**2).mean(0))
+
+
+@pytest.mark.parametrize("rate", [1.0, 0.5])
+def test_gate_standardisation_moves_each_expert_toward_zero_mean_unit_variance(rate):
+    layer = make_mxd("topk", gate_standardize=rate)
+    with torch.no_grad():
+        layer.b_enc.add_(torch.linspace(-3, 3, N))
+    x = torch.randn(500, I, dtype=torch.float64).float()
+    y = torch.randn(500, O)
+    pre = x @ layer.W_enc.detach() + layer.b_enc.detach()
+    mean, std = pre.mean(0), pre.std(0, unbiased=False)
+    out = layer.training_forward_pass(x, y)
+    metrics = layer.after_step(out.values.detach(), out.indices)
+    after = x @ layer.W_enc.detach() + layer.b_enc.detach()
+    # (pre - r mean) / std^r: the mean becomes (1 - r) mean / std^r, the std becomes std^(1 - r)
+    torch.testing.assert_close(after.mean(0), (1 - rate) * mean / std**rate, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(after.std(0, unbiased=False), std ** (1 - rate), atol=1e-4, rtol=1e-4)
+    assert metrics["gate_mean_max"] == pytest.approx(float(mean.abs().max()), rel=1e-4)
+    with pytest.raises(RuntimeError, match="call training_forward_pass first"):
+        layer.after_step(out.values.detach(), out.indices)  # the moments are used once
+
+
+def test_gate_standardisation_breaks_an_always_on_expert():
+    """Expert 0's bias puts it in every token's TopK; after standardisation it is selected only where its
+    pre-activation is unusually high, like every other expert (brute-force usage count)."""
+    layer = make_mxd("topk", gate_standardize=1.0)
+    with torch.no_grad():
+        layer.b_enc[0] = 20.0
+    x, y = torch.randn(2000, I), torch.randn(2000, O)
+
+    def usage_of_expert_0():
+        indices = layer.encode_sparse(x)[1]
+        return sum(int(0 in row.tolist()) for row in indices) / len(indices)
+
+    assert usage_of_expert_0() == 1.0
+    out = layer.training_forward_pass(x, y)
+    layer.after_step(out.values.detach(), out.indices)
+    assert usage_of_expert_0() < 0.5
+    torch.testing.assert_close(layer(x), dense_reference(layer, x))  # still the topk gate's map
+
+
+def test_gate_standardisation_is_refused_outside_zero_to_one():
+    with pytest.raises(ValueError, match=r"gate_standardize must be a fraction in \[0, 1\]"):
+        MxDConfig(d_in=I, d_out=O, d_sae=N, k=K, d_hidden=H, gate_standardize=1.5)

@@ -109,6 +109,7 @@ class MLPReplacement(SAE[C]):
     def __init__(self, cfg: C, use_error_term: bool = False):
         super().__init__(cfg, use_error_term=use_error_term)
         self._stash: _Stash | None = None
+        self.pre_moments: tuple[torch.Tensor, torch.Tensor, int] | None = None
 
     @classmethod
     def for_model(cls, model: Any, block: int | None = None, **cfg_fields: Any):
@@ -164,11 +165,15 @@ class MLPReplacement(SAE[C]):
         ``gate="topk"``). A unit is *active* on a token where its code is non-zero."""
         return True
 
+    wants_pre_moments: bool = False
+    """True when ``after_step`` reads ``self.pre_moments``: the per-unit mean and mean square of
+    x W_enc + b_enc over the last training batch (MxD's gate standardisation)."""
+
     @torch.no_grad()
     def after_step(self, values: torch.Tensor, indices: torch.Tensor) -> dict[str, float]:
         """Called by the trainer after each optimiser step with that step's codes (values, indices
         [T, K]), outside the gradient: where a layer adjusts state that no loss trains (MxD's usage
-        controller). Returns metrics to log (none by default)."""
+        controller and gate standardisation). Returns metrics to log (none by default)."""
         return {}
 
     def _decode_context(self, x: torch.Tensor) -> Any:
@@ -332,6 +337,7 @@ class MLPReplacement(SAE[C]):
         loss_scale = max(loss_scale, 1e-12)
         n_dead = int(dead_mask.sum()) if dead_mask is not None else 0
         use_aux = aux_coefficient > 0 and k_aux > 0 and n_dead > 0
+        moments: list | None = [] if self.wants_pre_moments else None
         enc = ops.topk_encode(
             x2,
             self.W_enc,
@@ -340,7 +346,9 @@ class MLPReplacement(SAE[C]):
             dead_mask if use_aux else None,
             k_aux if use_aux else 0,
             relu=self.relu_codes,
+            pre_moments=moments,
         )
+        self.pre_moments = (*moments[0], x2.shape[0]) if moments else None
         context = self._decode_context(x2)
         out = self._output(ops.decode_rows(enc.values, enc.indices, self.W_dec), context)
         sq = (out - y2).pow(2)

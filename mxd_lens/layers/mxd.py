@@ -22,6 +22,14 @@ option that leaves the equations as they are at inference:
   with u_n the fraction of the step's tokens on which expert n is active (non-zero code) and the
   target ``balance_target`` (default K / N: every expert on equally often). An expert used too often
   is made harder to select, a dead one easier, and (with the ReLU) a pushed-out one positive again.
+- ``gate_standardize`` = r > 0: after each optimiser step, outside the gradient, each expert's gate
+  column is moved a fraction r of the way toward zero mean and unit variance of its pre-activation
+  over the step's tokens (b_G[n] -= r mu_n, then G[:, n], b_G[n] /= s_n^r, s_n the std): the TopK
+  then compares z-scores, and an expert can be in a token's TopK only where it is unusually high.
+  With every pre-activation at mean 0 and variance 1, an expert above a threshold t > 0 on a
+  fraction p of tokens needs p <= 1 / (1 + t^2) (Cantelli), and t is about 2.2 for the 32nd largest
+  of 2,302 standard normals: an always-on expert (p > 1/2) is ruled out unless most others collapse
+  too. A training-time constraint (like unit-norm decoder rows): the saved layer is the same map.
 """
 
 from __future__ import annotations
@@ -49,7 +57,8 @@ class MxDConfig(LayerConfig):
     gate: Literal["relu_topk", "topk"] = "relu_topk"  # layers saved before the option load as "relu_topk"
     balance_rate: float = 0.0  # the usage controller's step on b_G per optimiser step (0: off)
     balance_target: float | None = None  # each expert's target fraction of tokens, in (0, 1]; None: K / N
-    variant_fields: ClassVar[tuple[str, ...]] = ("gate", "balance_rate", "balance_target")
+    gate_standardize: float = 0.0  # per step, the fraction of the way to standardised gate pre-activations
+    variant_fields: ClassVar[tuple[str, ...]] = ("gate", "balance_rate", "balance_target", "gate_standardize")
 
     @classmethod
     def architecture(cls) -> str:
@@ -79,6 +88,11 @@ class MxDConfig(LayerConfig):
             raise ValueError(
                 f"MxDConfig.balance_target must be a fraction of tokens in (0, 1] (or None for K / N), "
                 f"got {self.balance_target!r}"
+            )
+        if not (isinstance(self.gate_standardize, (int, float)) and 0 <= self.gate_standardize <= 1):
+            raise ValueError(
+                "MxDConfig.gate_standardize must be a fraction in [0, 1] (the step toward zero mean and unit "
+                f"variance of each expert's gate pre-activation; 0: off), got {self.gate_standardize!r}"
             )
         super().__post_init__()
 
@@ -126,14 +140,20 @@ class MxD(MLPReplacement[MxDConfig]):
     def relu_codes(self) -> bool:
         return self.cfg.gate == "relu_topk"
 
+    @property
+    def wants_pre_moments(self) -> bool:  # type: ignore[override]
+        return self.cfg.gate_standardize > 0
+
     @torch.no_grad()
     def after_step(self, values: torch.Tensor, indices: torch.Tensor) -> dict[str, float]:
-        """The usage controller (``balance_rate`` > 0): b_G[n] += rate * sign(target - u_n), u_n the
-        fraction of these tokens on which expert n is active. Under torch.distributed the counts are
-        summed over ranks, so every rank applies the same step. Logs the step's largest usage
+        """The gate standardisation (``gate_standardize`` > 0, from the step's pre-activation moments),
+        then the usage controller (``balance_rate`` > 0): b_G[n] += rate * sign(target - u_n), u_n the
+        fraction of these tokens on which expert n is active. Under torch.distributed the counts and
+        moments are summed over ranks, so every rank applies the same step. Logs the step's largest usage
         (``usage_max``) and the fraction of experts off on every token of it (``usage_off``)."""
+        metrics = self._standardize_gate() if self.cfg.gate_standardize > 0 else {}
         if self.cfg.balance_rate <= 0:
-            return {}
+            return metrics
         import torch.distributed as dist
 
         active = indices[values != 0]
@@ -144,7 +164,33 @@ class MxD(MLPReplacement[MxDConfig]):
             dist.all_reduce(tokens)
         usage = counts / tokens
         self.b_enc.add_(torch.sign(self.cfg.usage_target - usage), alpha=self.cfg.balance_rate)
-        return {"usage_max": float(usage.max()), "usage_off": float((usage == 0).float().mean())}
+        return {**metrics, "usage_max": float(usage.max()), "usage_off": float((usage == 0).float().mean())}
+
+    def _standardize_gate(self) -> dict[str, float]:
+        """b_G -= r mu; (G, b_G) /= s^r with mu, s^2 the mean and variance of each expert's gate
+        pre-activation over the last training batch (``pre_moments``, measured before the optimiser
+        step; r = ``gate_standardize``). Logs the spread it corrected: the largest |mu| and |log s|."""
+        if self.pre_moments is None:
+            raise RuntimeError(
+                "MxD(gate_standardize > 0).after_step needs the gate's pre-activation moments of the step: "
+                "call training_forward_pass first (the Trainer does)"
+            )
+        import torch.distributed as dist
+
+        mean, mean_sq, n_tokens = self.pre_moments
+        moments = torch.stack([mean * n_tokens, mean_sq * n_tokens]).to(self.b_enc.dtype)
+        count = torch.tensor(float(n_tokens), dtype=moments.dtype, device=moments.device)
+        if dist.is_initialized():
+            dist.all_reduce(moments)
+            dist.all_reduce(count)
+        mean, mean_sq = moments / count
+        std = (mean_sq - mean.square()).clamp_min(1e-12).sqrt()
+        rate = self.cfg.gate_standardize
+        scale = std.pow(-rate)
+        self.b_enc.sub_(rate * mean).mul_(scale)
+        self.W_enc.mul_(scale)
+        self.pre_moments = None
+        return {"gate_mean_max": float(mean.abs().max()), "gate_log_std_max": float(std.log().abs().max())}
 
     def hidden(self, x: torch.Tensor) -> torch.Tensor:
         """z [..., d_hidden]: the dense hidden layer, phi(x E + b_E) or its GLU form."""

@@ -54,8 +54,11 @@ class _TopKEncode(torch.autograd.Function):
         aux_mask,
         k_aux: int,
         relu: bool = True,
+        pre_moments: list | None = None,
     ):
         pre = torch.addmm(b, x, W)
+        if pre_moments is not None:  # each unit's mean and mean square over the tokens, from this same matmul
+            pre_moments.append((pre.mean(0), pre.square().mean(0)))
         values, indices = pre.topk(k, dim=-1, sorted=True)
         if relu:
             values = values.clamp_min(0.0)
@@ -106,7 +109,7 @@ class _TopKEncode(torch.autograd.Function):
         if ctx.needs_input_grad[2]:
             grad_b = torch.zeros(W.shape[1], dtype=g.dtype, device=g.device)
             grad_b.index_add_(0, flat_idx, g.reshape(-1))
-        return grad_x, grad_W, grad_b, None, None, None, None
+        return grad_x, grad_W, grad_b, None, None, None, None, None
 
 
 def topk_encode(
@@ -117,6 +120,7 @@ def topk_encode(
     aux_mask: torch.Tensor | None = None,
     k_aux: int = 0,
     relu: bool = True,
+    pre_moments: list | None = None,
 ) -> EncoderOutput:
     """TopK_K(ReLU(x W + b)) as (values [..., K], indices [..., K]), values sorted descending, plus the
     AuxK selection when ``aux_mask`` ([N] bool, True = may be chosen) and ``k_aux`` are given: the
@@ -126,6 +130,8 @@ def topk_encode(
 
     Fewer than K positive pre-activations leave zeros among the values (their gradient is zero).
     ``relu=False``: the plain TopK of ``x W + b``, signed values, each with its gradient (AuxK's too).
+    ``pre_moments``: a list to which the per-unit mean and mean square [N] of ``x W + b`` over the
+    tokens are appended (no gradient), read from the same matmul (MxD's gate standardisation).
     """
     lead = x.shape[:-1]
     if aux_mask is not None:
@@ -134,7 +140,7 @@ def topk_encode(
         if k_aux < 0:
             raise ValueError(f"k_aux={k_aux} must be >= 0")
         k_aux = min(k_aux, W.shape[1] - k)
-    out = _TopKEncode.apply(x.reshape(-1, x.shape[-1]), W, b, k, aux_mask, k_aux, relu)
+    out = _TopKEncode.apply(x.reshape(-1, x.shape[-1]), W, b, k, aux_mask, k_aux, relu, pre_moments)
     return EncoderOutput(*(t.reshape(*lead, t.shape[-1]) for t in out))
 
 
