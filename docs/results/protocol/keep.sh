@@ -3,7 +3,7 @@
 # copy results/protocol-PART/{frontier.json,frontier.csv,frontier.png} and each finished group's eval.json
 # and training history into docs/results/protocol/PART/ and commit that folder alone when it changed.
 cd "$(dirname "$0")/../../.."
-PART=${1:?give A, B or C}
+PART=${1:?give A, A0, A3, B or C}
 SRC=results/protocol-$PART DEST=docs/results/protocol/$PART
 while sleep 120; do
   [ -f $SRC/frontier.json ] || continue

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Everything issue 27's study still needs, in order, in the background, resumable (rerun the same command
+# after a reset: each step skips or resumes what is done). About 3-4 hours on 2 CPU cores.
+#   nohup bash docs/results/protocol/rest.sh > results/rest.log 2>&1 &
+# 1. the text and the cache (data.sh, cache.sh; ~40 min on a new machine)
+# 2. A3: the standardised gate at study A's point; A0: study A's seed-0 layers again (for probing)
+# 3. probing of those layers under both protocols with the neuron baseline (probe.sh)
+# 4. C: block 15 at K = 16 and 64
+set -euo pipefail
+cd "$(dirname "$0")"
+mkdir -p ../../../results
+[ -f ../../../results/data/mix7.txt.xz ] || bash data.sh
+bash cache.sh
+bash chain.sh A3 A0
+bash probe.sh
+bash chain.sh C
