@@ -6,6 +6,7 @@
 # 2. A3: the standardised gate at study A's point; A0: study A's seed-0 layers again (for probing)
 # 3. probing of those layers under both protocols with the neuron baseline (probe.sh)
 # 4. C: block 15 at K = 16 and 64
+# 5. the steering sweep on the A0 layers (steer.sh)
 set -euo pipefail
 cd "$(dirname "$0")"
 mkdir -p ../../../results
@@ -14,3 +15,4 @@ bash cache.sh
 bash chain.sh A3 A0
 bash probe.sh
 bash chain.sh C
+bash steer.sh
