@@ -18,6 +18,6 @@ for PART in "$@"; do
   KEEP=$!
   PYTHONPATH="$RUN" bash "$RUN/docs/results/protocol/study.sh" "$PART" >> "results/protocol-$PART.log" 2>&1
   echo "part $PART ended with status $? at $(date)"
-  sleep 130  # keep.sh's last copy and commit
   kill $KEEP
+  bash docs/results/protocol/keep.sh "$PART" --once  # the last copy and commit, whatever keep.sh was doing
 done

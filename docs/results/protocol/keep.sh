@@ -5,7 +5,8 @@
 cd "$(dirname "$0")/../../.."
 PART=${1:?give A, A0, A3, B or C}
 SRC=results/protocol-$PART DEST=docs/results/protocol/$PART
-while sleep 120; do
+ONCE=${2:-}  # --once: copy and commit now, then stop (chain.sh's last copy after a part ends)
+while [ -n "$ONCE" ] || sleep 120; do
   [ -f $SRC/frontier.json ] || continue
   mkdir -p $DEST
   cp $SRC/frontier.json $SRC/frontier.csv $SRC/frontier.png $DEST/ 2>/dev/null
@@ -16,4 +17,5 @@ while sleep 120; do
   done
   git add $DEST && git diff --cached --quiet -- $DEST || \
     git commit -q -m "protocol study part $PART: results so far ($(ls $DEST/*-eval.json 2>/dev/null | wc -l) groups evaluated)" -- $DEST
+  [ -n "$ONCE" ] && break
 done

@@ -19,6 +19,8 @@ JE=/usr/lib/x86_64-linux-gnu/libjemalloc.so.2; [ -f $JE ] && export LD_PRELOAD=$
 DATA=${DATA:-../shared/data}
 # chosen by sweep.py on the training split (docs/results/protocol/sweep.md)
 NEW_MXD=${NEW_MXD:-mxd:gate=topk}
+# the standardised gate (part A3: it breaks the plain gate's always-on core at equal or better fit)
+STD_MXD=${STD_MXD:-mxd:gate=topk,gate_standardize=0.1}
 ARCH_LR=${ARCH_LR:-"mxd=0.002 mxd:gate=topk=0.002 transcoder=0.002 skip_transcoder=0.002"}
 ARCHS=(mxd $NEW_MXD transcoder skip_transcoder)
 case $PART in
@@ -28,7 +30,8 @@ case $PART in
       ARCHS=(mxd:gate=topk,gate_standardize=0.1 mxd:gate=topk,gate_standardize=0.01)
       ARCH_LR="${ARCHS[0]}=0.002 ${ARCHS[1]}=0.002" ;;
   B) POINTS=(--blocks 5 25 --ks 32 --grid 25:32@1) ;;
-  C) POINTS=(--blocks 15 --ks 16 64) ;;
+  C) POINTS=(--blocks 15 --ks 16 64)
+     ARCHS+=("$STD_MXD"); ARCH_LR+=" $STD_MXD=0.002" ;;
   *) echo "unknown part $PART: give A, A0, A3, B or C" >&2; exit 2 ;;
 esac
 exec .venv/bin/python analyses/frontier.py --progress false --text results/data/mix7.txt.xz \

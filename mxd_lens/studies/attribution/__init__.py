@@ -1,0 +1,36 @@
+"""The attribution study's options: logit differences attributed through each method's spliced layers
+over a set of prompts (``run.py``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# Factual and syntactic prompts for the attribution study, "prompt|target|minus" (the logit difference
+# target - minus at the last position; each a single token of SmolLM2's vocabulary, leading space kept).
+DEFAULT_PROMPTS = (
+    "The capital of France is| Paris| London",
+    "The Eiffel Tower is located in the city of| Paris| Rome",
+    "The keys to the cabinet| are| is",
+    "When Mary and John went to the store, John gave a drink to| Mary| John",
+    "Monday, Tuesday,| Wednesday| Friday",
+    "She walked to the door and opened| it| them",
+)
+
+
+@dataclass
+class AttributionOptions:
+    """Attribution of a few predictions to the units of each method's layers, spliced at the same
+    blocks with the same K: how much the top units carry, and how large the error term is."""
+
+    layers: list[str]
+    """layer folders, or folders holding them (the frontier's runs/*/final)"""
+    k: int = 32
+    """use the layers with this K"""
+    blocks: list[int] | None = None
+    """the blocks to splice at (default: every block with a layer of every method at this K)"""
+    prompts: list[str] = field(default_factory=lambda: list(DEFAULT_PROMPTS))
+    """'prompt|target|minus' (minus optional): the logit (difference) at the last position"""
+    top: int = 10
+    """units counted as the top ones"""
+    error_term: bool = True
+    """splice with the error term (the model is then exactly the clean one)"""

@@ -1,0 +1,40 @@
+"""The evaluation study's options: saved layers spliced into the model on held-out text (``run.py``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from mxd_lens.config import StreamConfig
+
+
+@dataclass
+class EvalOptions:
+    """Splice each saved layer alone into the model on held-out text and measure ΔCE, KL, FVU, L0, the
+    units' usage and the Jacobian cosine; the results go into each layer's cfg.json
+    (metadata.evaluations, one record per text, split and tokens; metadata.evaluation: the latest) and an
+    eval.json beside it, and a table is printed."""
+
+    layers: list[str] = field(metadata={"custom_args": {"nargs": "+"}, "positional": True})
+    """layer folders, or folders holding them (a trainer's final/, the frontier's runs/*/final)"""
+
+    text: str | None = None
+    """held-out text: the 'eval' side of this text's document split (default: the text the layers were
+    trained on, with their split, else the bundled English text)"""
+    split: Literal["eval", "all"] = "eval"
+    """'all': every document of text is held out (a text the layers never saw)"""
+    eval_tokens: int = 25_600
+    """held-out tokens"""
+    context_size: int = StreamConfig.context_size
+    """tokens per row, BOS included"""
+    batch_rows: int = 8
+    """rows per evaluation forward"""
+    eval_fraction: float | None = None
+    """the split's eval fraction (default: the layers' training record, else StreamConfig's)"""
+    split_seed: int | None = None
+    """the split's seed (default: the layers' training record, else StreamConfig's)"""
+    write: bool = True
+    """write the results into each layer's cfg.json and an eval.json beside it"""
+    allow_other_model: bool = False
+    """evaluate even when the model is not the one the layers were trained on (another file digest,
+    config digest or hub revision); the record then names the model used"""

@@ -1,0 +1,205 @@
+"""The evaluation study: saved layers, each spliced alone into the model on held-out text (the 'eval'
+side of the training text's document split, or a text the layers never saw), measured by
+:func:`mxd_lens.evaluation.evaluate` and recorded in each layer's folder; the table is printed."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from mxd_lens.config import DEFAULT_MODEL
+from mxd_lens.studies import StudyIncomplete, StudyResult
+from mxd_lens.studies.eval import EvalOptions
+
+# the printed table; dead_fraction is headed "silent on N tokens" (it depends on N)
+SHOWN = ("name", "ce_clean", "delta_ce", "kl", "zero_ablation_cost", "fvu", "l0", "always_on", "effective_units",
+         "top1_fvu", "dead_fraction", "jacobian_cos", "ce_recovered_zero", "tokens")  # fmt: skip
+NOTE = ("± : standard error over the evaluation's batches; zero-ablation ΔCE: CE with the MLP's output zeroed "
+        "minus clean CE (what deleting the MLP costs)")  # fmt: skip
+
+
+def run(model: Any, options: EvalOptions, out: Path | None = None, progress: bool = True) -> StudyResult:
+    try:
+        rows = evaluate_saved(model, options, progress=progress)
+    except EvaluationNotRecorded as err:
+        raise StudyIncomplete(str(err), eval_result(err.rows, recorded=False)) from err
+    return eval_result(rows, recorded=options.write)
+
+
+def eval_result(rows: list[dict[str, Any]], recorded: bool) -> StudyResult:
+    """The rows as the table ``mxd-lens eval`` prints."""
+    import pandas as pd
+
+    from mxd_lens.studies.report import columns
+
+    table = pd.DataFrame(rows)
+    if "ce_zero_ablation" in table:
+        table["zero_ablation_cost"] = table["ce_zero_ablation"] - table["ce_clean"]
+    tokens = int(table["tokens"].iloc[0])
+    text = NOTE + ("\n\nrecorded in each layer's cfg.json (metadata.evaluations) and eval.json" if recorded else "")
+    return StudyResult(name="eval", table=table, columns=columns(*SHOWN, dead_fraction=f"silent on {tokens:,} tokens"),
+                       text=text, value=rows)  # fmt: skip
+
+
+def model_for_layers(where: Any, options: EvalOptions) -> Any:
+    """The model ``--model`` names, else the one the first layer's training record names (as
+    :func:`recorded_model` finds it from here), else the default model."""
+    from mxd_lens.layers.io import layer_folders
+    from mxd_lens.models import load_model
+
+    name, tl_name = where.model, where.tl_name
+    if name is None:  # the record alone, from cfg.json (evaluate_saved loads the layers themselves, once)
+        first = layer_folders(options.layers)[0]
+        meta = json.loads((first / "cfg.json").read_text()).get("metadata") or {}
+        record = (meta.get("training") or {}).get("model") or {}
+        name = recorded_model(record, first)
+        tl_name = tl_name or record.get("tl_name")
+    return load_model(name, tl_name=tl_name)
+
+
+def recorded_model(record: dict[str, Any], folder: Path) -> str:
+    """The model a layer's training record names, as ``load_model`` can load it from here: the name
+    as recorded, or for a local file or folder not found from this directory, the absolute path
+    recorded beside it; a ValueError naming the record when neither exists."""
+    name = record.get("name") or DEFAULT_MODEL
+    if record.get("kind") not in ("gguf", "hf_folder") or Path(name).expanduser().exists():
+        return name
+    if record.get("path") and Path(record["path"]).exists():
+        return record["path"]
+    if not ("/" in name or name.endswith(".gguf") or name.startswith((".", "~"))):
+        return name  # not spelled as a path: load_model says what it accepts
+    raise ValueError(
+        f"the model {name!r} named in {folder / 'cfg.json'} (metadata.training.model) is not found from "
+        f"{Path.cwd()}" + (f" nor at {record['path']}" if record.get("path") else "") + "; give --model"
+    )
+
+
+def evaluate_saved(model: Any, config: EvalOptions, progress: bool = True) -> list[dict[str, Any]]:
+    """Evaluate the saved layer folders ``config.layers`` (or folders holding them) spliced into ``model``
+    on held-out text and, with ``config.write``, record the result in each layer's cfg.json
+    (``metadata.evaluations``; ``metadata.evaluation``: the latest: metrics, the text and split, tokens,
+    the model's source, the library version) and in an eval.json beside it. One row per layer; an
+    :class:`EvaluationNotRecorded` (holding the rows) when the folders cannot be written."""
+    from mxd_lens import data
+    from mxd_lens.config import StreamConfig
+    from mxd_lens.evaluation import check_disjoint, evaluate, held_out_batches
+    from mxd_lens.layers.io import layer_folders, load_layer
+    from mxd_lens.models import model_identity, model_source
+
+    if config.eval_tokens <= 0:
+        raise ValueError(f"--eval-tokens {config.eval_tokens}: evaluate at least one row of tokens")
+    paths = layer_folders(config.layers)
+    layers = {path.name: load_layer(path) for path in paths}
+    trained = [(layer.cfg.metadata.training or {}).get("data") or {} for layer in layers.values()]
+    first = trained[0]
+    text = config.text or _recorded_text(first, paths[0]) or str(data.default_text())
+    same_text = config.text is None and first.get("text")
+    fraction = config.eval_fraction if config.eval_fraction is not None else (
+        first.get("eval_fraction", StreamConfig.eval_fraction) if same_text else StreamConfig.eval_fraction)  # fmt: skip
+    seed = config.split_seed if config.split_seed is not None else (
+        first.get("split_seed", StreamConfig.split_seed) if same_text else StreamConfig.split_seed)  # fmt: skip
+    eval_info = {"text": data.text_name(text), "split": config.split, "eval_fraction": fraction, "split_seed": seed,
+                 "digests": data.source_digests(text)}  # fmt: skip
+    if config.split == "all":
+        eval_info.update(split="eval", eval_fraction=1.0)  # every document held out
+    for name, record in zip(layers, trained, strict=True):
+        try:
+            check_disjoint(record or None, eval_info)
+        except ValueError as err:
+            raise ValueError(f"{name}: {err}") from None
+    if not config.allow_other_model:
+        here = model_identity(model_source(model))
+        for name, layer in layers.items():
+            recorded = (layer.cfg.metadata.training or {}).get("model") or {}
+            if "kind" in recorded and model_identity(recorded) != here:
+                raise ValueError(
+                    f"{name} was trained on {model_identity(recorded)}, but the model given is {here}: "
+                    "another model (or another copy of its weights); evaluate with the model it was trained "
+                    "on, or pass --allow-other-model to evaluate anyway (the record then names this model)"
+                )
+    batches = held_out_batches(model, text, config.split, config.eval_tokens, config.context_size,
+                               config.batch_rows, fraction, seed)  # fmt: skip
+    rows = evaluate(model, layers, batches, progress=progress)
+    if config.write:
+        try:
+            _record_evaluations(paths, rows, eval_info, config, model)
+        except OSError as err:
+            raise EvaluationNotRecorded(rows, err) from err
+    return rows
+
+
+def _recorded_text(record: Mapping[str, Any], folder: Path) -> str | None:
+    """The training text a layer records, as a source this process can read: a package resource name
+    as it is, a path as recorded when it exists from here, else the absolute path recorded beside it;
+    a recorded path found neither way is a ValueError that names where it came from."""
+    from mxd_lens.data import PACKAGE_PREFIX, _looks_like_path
+
+    text = record.get("text")
+    if text is None or str(text).startswith(PACKAGE_PREFIX) or Path(str(text)).expanduser().exists():
+        return text
+    if record.get("path") and Path(record["path"]).exists():
+        return record["path"]
+    if _looks_like_path(str(text)) or record.get("path"):
+        raise ValueError(
+            f"the training text {text!r} recorded in {folder / 'cfg.json'} (metadata.training.data.text) is not "
+            f"found from {Path.cwd()}"
+            + (f" nor at {record['path']}" if record.get("path") else "")
+            + "; give --text"
+        )
+    return text  # a Hugging Face dataset name
+
+
+def evaluation_key(record: Mapping[str, Any]) -> tuple[Any, ...]:
+    """What makes two evaluations the same measurement: the text (by content), its split, the tokens
+    and the context size; a new one replaces an old one with the same key."""
+    text = record.get("text") or {}
+    digests = json.dumps(text.get("digests") or text.get("text"), sort_keys=True)
+    return (digests, text.get("split"), text.get("eval_fraction"), text.get("split_seed"), record.get("tokens"),
+            record.get("context_size"))  # fmt: skip
+
+
+def keep_evaluation(records: Sequence[Mapping[str, Any]], record: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """``records`` with ``record`` added, replacing one with the same :func:`evaluation_key`."""
+    key = evaluation_key(record)
+    return [dict(r) for r in records if r and evaluation_key(r) != key] + [dict(record)]
+
+
+class EvaluationNotRecorded(OSError):
+    """The layers were evaluated but the result could not be written into their folders (read-only?);
+    ``rows`` holds what was measured."""
+
+    def __init__(self, rows: list[dict[str, Any]], err: OSError):
+        super().__init__(
+            f"measured, but not recorded in the layer folders ({err.strerror or err}: {err.filename}); "
+            "the table above is the result; to only print it, add --nowrite"
+        )
+        self.rows = rows
+
+
+def _record_evaluations(paths: Sequence[Path], rows: list[dict[str, Any]], eval_info: dict[str, Any],
+                        config: Any, model: Any) -> None:  # fmt: skip
+    from mxd_lens import __version__
+    from mxd_lens.evaluation import EVAL_METRICS
+    from mxd_lens.fileio import atomic_write_text, remove_stale_temporaries
+    from mxd_lens.models import model_source
+
+    for path, row in zip(paths, rows, strict=True):
+        remove_stale_temporaries(path, ("cfg.json", "eval.json"))  # left by a killed evaluation
+        record = {
+            "metrics": {k: row[k] for k in EVAL_METRICS if k in row},
+            "text": {**eval_info, "split": config.split},
+            "tokens": row["tokens"],
+            "context_size": config.context_size,
+            "model": model_source(model),
+            "mxd_lens_version": __version__,
+        }
+        cfg = json.loads((path / "cfg.json").read_text())
+        meta = cfg.setdefault("metadata", {})
+        # one record per (text, split, tokens, context): evaluating on three texts keeps three
+        earlier = meta.get("evaluations") or ([meta["evaluation"]] if meta.get("evaluation") else [])
+        meta["evaluations"] = keep_evaluation(earlier, record)
+        meta["evaluation"] = record  # the latest (what the model card and frontier tables show)
+        atomic_write_text(path / "cfg.json", json.dumps(cfg, indent=2))
+        atomic_write_text(path / "eval.json", json.dumps({**record, "row": row}, indent=1))

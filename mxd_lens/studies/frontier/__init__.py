@@ -1,0 +1,122 @@
+"""The frontier study's options: parameter-matched MxD, TopK transcoder and skip transcoder at several
+(block, K, seed) points, from one cached activation stream, spliced on held-out text (``run.py``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from mxd_lens.config import WIDTH_MULTIPLIER, StreamConfig, TrainConfig, optional_float
+
+
+@dataclass
+class FrontierConfig:
+    """What to compare. ``train_tokens`` are drawn from the 'train' side of ``text``'s document split;
+    held-out tokens from its 'eval' side (never the same documents) or from ``eval_text``."""
+
+    text: str | None = None  # training text: a file, folder or dataset (default: the bundled English text)
+    blocks: list[int] = field(default_factory=list, metadata={"alias": ["--layers"]})
+    """transformer blocks whose MLP to replace, each at every K in ks (--layers: its old name)"""
+    ks: list[int] = field(default_factory=lambda: [16, 32, 64])  # active units per token
+    grid: list[str] = field(default_factory=list)  # more points: "BLOCK:K,K[@SEED,SEED]", e.g. 25:32 15:32@1
+    eval_text: str | None = None  # held-out text (default: the 'eval' side of text's split)
+    ood_text: str | None = None
+    """a second, out-of-domain evaluation text (every document; e.g. news when training on books): each
+    row gains its metrics as ood_delta_ce, ood_kl, ood_fvu, ..."""
+    ood_eval_tokens: int | None = None  # tokens of ood_text (default: eval_tokens)
+    cache: str | None = None  # activation cache folder, shareable between studies (default: OUT/cache)
+    width_multiplier: int = WIDTH_MULTIPLIER
+    """transcoder width m x d_model; MxD gets the experts that match its parameters"""
+    archs: list[str] | None = None
+    """keys of mxd_lens.ARCHITECTURES, with options if wanted (mxd:gate=topk); unset: every built-in one"""
+    arch_lr: list[str] = field(default_factory=list)
+    """a learning rate per architecture, "ARCH=LR" (e.g. mxd=0.001 transcoder=0.002); others use lr"""
+    train_tokens: int = 1_000_000  # tokens cached from the train split
+    epochs: float = 1.0  # passes over them
+    eval_tokens: int = 25_600  # held-out tokens for CE, KL, FVU, L0, dead units
+    context_size: int = StreamConfig.context_size  # tokens per row (BOS included where the model uses one)
+    batch_tokens: int = TrainConfig.batch_tokens  # tokens per training step
+    lr: float = TrainConfig.lr  # Adam learning rate
+    warmup_steps: int | None = None  # None: the trainer's default fraction of the steps
+    grad_clip: float | None = field(
+        default=TrainConfig.grad_clip, metadata={"custom_args": {"type": optional_float}}
+    )
+    """gradient norm limit per learner (none: off)"""
+    rows_per_block: int = StreamConfig.rows_per_block  # token rows per cache shard
+    eval_batch_rows: int = 8  # token rows per evaluation forward
+    eval_fraction: float = StreamConfig.eval_fraction  # documents of text held out as its 'eval' side
+    split_seed: int = StreamConfig.split_seed  # seed of that document split
+    seed: int = 0  # seed of the layers and points with no @SEED
+    cache_dtype: str = "float32"  # float32, float16 or bfloat16 storage of the cache
+
+    def __post_init__(self) -> None:
+        from mxd_lens import data
+        from mxd_lens.layers import BUILT_IN, get_architecture
+
+        if self.text is None:
+            self.text = str(data.default_text())
+        if self.archs is None:
+            self.archs = list(BUILT_IN)
+        from mxd_lens.layers import parse_arch
+
+        for arch in self.archs:
+            get_architecture(parse_arch(arch)[0])  # a clear error for an unknown key (options: LearnerSpec)
+        self.lr_of(self.archs[0])  # a clear error for a malformed arch_lr
+        if not self.learners():
+            raise ValueError("give at least one block and one K (blocks and ks, or grid)")
+
+    def lr_of(self, arch: str) -> float | None:
+        """The rate ``arch_lr`` gives ``arch`` (None: the study's ``lr``)."""
+        rates = {}
+        for entry in self.arch_lr:
+            name, sep, value = entry.rpartition("=")
+            try:
+                rates[name] = float(value)
+            except ValueError:
+                sep = ""
+            if not sep or not name or rates[name] <= 0:
+                raise ValueError(f"arch_lr entry {entry!r}: write ARCH=LR with LR > 0, e.g. 'mxd=0.001'")
+        unknown = sorted(set(rates) - set(self.archs or ()))
+        if unknown:
+            raise ValueError(f"arch_lr names {unknown}, which are not in archs {self.archs}")
+        return rates.get(arch)
+
+    def learners(self) -> list[tuple[int, int, int]]:
+        """(block, K, seed) for every point of the grid, in order, without repeats."""
+        points = [(block, k, self.seed) for block in self.blocks for k in self.ks]
+        for entry in self.grid:
+            block, sep, rest = entry.partition(":")
+            ks, _, seeds = rest.partition("@")
+            try:
+                parsed = [
+                    (int(block), int(k), int(s))
+                    for k in ks.split(",")
+                    for s in (seeds.split(",") if seeds else [self.seed])
+                ]
+            except ValueError:
+                parsed = []
+            if not sep or not parsed:
+                raise ValueError(f"grid entry {entry!r}: write BLOCK:K,K,...[@SEED,...], e.g. '15:32@1'")
+            points += parsed
+        return list(dict.fromkeys(points))
+
+    @property
+    def all_blocks(self) -> list[int]:
+        """Every block the study trains at (from ``blocks`` and ``grid``)."""
+        return sorted({block for block, _, _ in self.learners()})
+
+    @property
+    def steps(self) -> int:
+        return int(self.epochs * self.train_tokens) // self.batch_tokens
+
+    def train_config(self, seed: int) -> TrainConfig:
+        """The trainer's settings (the recipe's defaults but for these fields)."""
+        return TrainConfig(
+            total_tokens=self.steps * self.batch_tokens,
+            batch_tokens=self.batch_tokens,
+            lr=self.lr,
+            warmup_steps=self.warmup_steps,
+            grad_clip=self.grad_clip,
+            seed=seed,
+            checkpoint_every=max(50, self.steps // 20),
+            log_every=max(1, self.steps // 50),
+        )

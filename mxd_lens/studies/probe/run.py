@@ -1,0 +1,159 @@
+"""The probing study: every task of a suite, every layer (and, as baselines, the dense MLP input/output
+and the MLP's neurons), every k, under one or more feature-selection protocols
+(:func:`mxd_lens.analysis.probing.run_probing`), written as
+
+- ``probing.csv`` / ``probing.json``: one row per task, source, protocol and k (the record has the
+  options, the command, the model, the layers' training tokens and the task sets);
+- ``summary.csv``: mean test accuracy and its standard error over tasks per source and k (SAEBench's
+  protocol); ``summary_<protocol>.csv`` for the paper's k = 1 protocols;
+- ``paired.csv``: MxD minus each other method at equal K, paired over tasks; ``probing.png``.
+
+Pooled activations are kept under OUT/pooled, so a rerun (or the steering study) reads them back.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from mxd_lens.studies import StudyResult
+from mxd_lens.studies.probe import MergeOptions, ProbeOptions
+
+
+def run(model: Any, options: ProbeOptions, out: Path, task_sets: Sequence[Any] | None = None,
+        progress: bool = True) -> StudyResult:  # fmt: skip
+    """Probe ``options.layers`` on the suite (``task_sets`` replaces it, e.g. your own
+    ``jsonl_task_set``); pooled activations are cached under ``out/pooled``."""
+    from mxd_lens.analysis import tasks
+    from mxd_lens.analysis.probing import NEURONS, layer_label, run_probing
+    from mxd_lens.layers.io import load_layers
+
+    layers = load_layers(options.layers)
+    data = options.data or tasks.bundled_data()
+    if task_sets is None:
+        task_sets = tasks.offline_suite(options.per_class, data) if options.suite == "offline" else list(tasks.SAEBENCH)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    table, _ = run_probing(
+        model, task_sets, layers, ks=options.ks, data_root=data, cache=out / "pooled",
+        context_size=options.context_size, batch_size=options.batch_size, seed=options.seed, progress=progress,
+        protocols=options.protocols, neurons=options.neurons,
+    )  # fmt: skip
+    labels = {name: layer_label(layer) for name, layer in layers.items()}
+    labels.update(
+        {s: f"MLP neurons ({s.split('.')[-1]})" for s in table.source.unique() if s.startswith(NEURONS + ".")}
+    )
+    table["label"] = table.source.map(labels).fillna(table.source)
+    record = {
+        "study": asdict(options),
+        "model": model.cfg.model_name,
+        "layers": {name: (layer.cfg.metadata.training or {}).get("tokens") for name, layer in layers.items()},
+        "task_sets": [{"name": s.name, "classes": s.classes, "per_class": s.per_class, "binary": s.binary,
+                       "family": s.family} for s in task_sets],
+    }  # fmt: skip
+    return probing_result(table, record)
+
+
+def merge(model: Any, options: MergeOptions, out: Path) -> StudyResult:
+    """One report from several probing studies of the same suite (e.g. layers at K = 32 probed in one
+    session, K = 16 and 64 in another). Rows two studies share (the dense ceiling, a layer probed twice)
+    must agree exactly, since they are the same probe on the same texts; a difference means other data,
+    model or settings and is refused, naming the first rows that differ. The studies must cover the
+    same tasks."""
+    import pandas as pd
+
+    folders = options.folders
+    if len(folders) < 2:
+        raise ValueError("give at least two probing folders to merge")
+    key = ["task", "source", "k"]
+    tables = [read_probing_table(folder) for folder in folders]
+    tasks = [set(t.task) for t in tables]
+    for folder, found in zip(folders[1:], tasks[1:], strict=True):
+        if found != tasks[0]:
+            raise ValueError(
+                f"{folder} probed other tasks than {folders[0]} (only in one: "
+                f"{sorted(found ^ tasks[0])[:5]}): merge studies of the same suite"
+            )
+    joined = pd.concat(tables, keys=range(len(tables)), names=["study", None]).reset_index("study")
+    dup = joined[joined.duplicated(key, keep=False)]
+    for _, rows in dup.groupby(key):
+        if rows.test_accuracy.nunique() > 1 or rows.features.nunique() > 1:
+            first = rows.iloc[0]
+            raise ValueError(
+                f"{first.source} at k={first.k} on {first.task}: test accuracy "
+                f"{rows.test_accuracy.tolist()} in {[str(folders[i]) for i in rows.study]}; the studies "
+                "ran on other data, model or settings and cannot be merged"
+            )
+    table = joined.drop_duplicates(key).drop(columns="study").reset_index(drop=True)
+    record: dict[str, Any] = {"merged_from": [str(f) for f in folders]}
+    for folder in folders:
+        meta = Path(folder) / "probing.json"
+        if meta.is_file():
+            old = json.loads(meta.read_text())
+            record.setdefault("studies", []).append({k: v for k, v in old.items() if k != "rows"})
+    return probing_result(table, record)
+
+
+def probing_result(table: Any, record: dict[str, Any]) -> StudyResult:
+    """The probing report from a long table with a ``label`` column ('MxD K=32', ...; the source itself
+    for the dense rows): the summaries, the paired differences and the plot."""
+    import pandas as pd
+
+    from mxd_lens.analysis.probing import DENSE, _with_protocol, paired_comparisons, plot_probing, summarize
+
+    labels = dict(zip(table.source, table.label, strict=True))
+    layer_labels = {s: label for s, label in labels.items() if s != label and " K=" in label}
+    written = table
+    summary = summarize(table)
+    summary.insert(0, "label", [labels.get(s, s) for s in summary.index])
+    tables = {"summary.csv": summary}
+    table = _with_protocol(table)
+    for protocol in sorted(set(table.protocol) - {"saebench"}):  # the paper's k = 1 protocols, one file each
+        other = pd.concat(
+            {m: summarize(table, protocol, m)[["k=1", "se k=1"]] for m in ("test_accuracy", "balanced_accuracy")},
+            axis=1,
+        )
+        other.columns = [f"{m} {c}" for m, c in other.columns]
+        other = other.drop(index=[s for s in other.index if s.split(".")[0] in DENSE], errors="ignore")
+        other.insert(0, "label", [labels.get(s, s) for s in other.index])
+        tables[f"summary_{protocol}.csv"] = other
+        summary.attrs[protocol] = other
+    pairs = paired_comparisons(table, layer_labels)
+    tables["paired.csv"] = pairs
+    record = {**record, "rows": json.loads(table.to_json(orient="records"))}
+    return StudyResult(
+        name="probing",
+        table=written,
+        record=record,
+        tables=tables,
+        figures={"probing.png": plot_probing(table, layer_labels)},
+        text=format_probing(summary, pairs),
+        value={"table": table, "summary": summary, "paired": pairs},
+    )
+
+
+def format_probing(summary: Any, paired: Any) -> str:
+    """The summary and the paired differences, as markdown text."""
+    parts = [summary.round(3).to_markdown()]
+    for protocol, other in summary.attrs.items():
+        note = " (feature selected on the test split: flatters weak features)" if protocol == "paper" else ""
+        parts.append(f"\nProtocol {protocol}, k = 1{note}:\n" + other.round(3).to_markdown())
+    if len(paired):
+        parts.append(
+            "\nPaired differences in test accuracy (same task), mean over tasks:\n"
+            + paired.round(3).to_markdown(index=False)
+        )
+    return "\n".join(parts)
+
+
+def read_probing_table(folder: str | Path) -> Any:
+    """A study's OUT/probing.csv as written (``k`` as text: 1, 2, 5 or 'all')."""
+    import pandas as pd
+
+    path = Path(folder) / "probing.csv"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found: give the folder a probing study wrote (OUT/probing)")
+    return pd.read_csv(path, dtype={"k": str})
