@@ -3,23 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import inspect
 import os
 import sys
 import tempfile
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal
 
 # Only the light config module at import: `mxd-lens --help` must not wait for torch.
 from mxd_lens.config import (
     DEFAULT_MODEL,
     WIDTH_MULTIPLIER,
-    EvalConfig,
     ExportConfig,
-    InspectStudy,
-    ProbingStudy,
     PublishConfig,
-    SteeringStudy,
     StreamConfig,
     TrainConfig,
 )
@@ -41,35 +37,43 @@ class CheckCommand:
 
 
 @dataclass
-class DemoCommand:
-    """Options of `mxd-lens demo`."""
+class MixCommand:
+    """Options of `mxd-lens mix`."""
 
-    quick: bool = False
-    """a smoke run of about a minute (few tokens)"""
-    model: str = DEFAULT_MODEL
-    """model name or path"""
-    text: str | None = None
-    """text source (default: the bundled English text)"""
-    ood_text: str | None = None
-    """out-of-domain text, every document held out (default: the bundled Debian fortunes; 'none': skip)"""
-    block: int = field(default=15, metadata={"alias": ["--layer"]})
-    """transformer block whose MLP to replace (--layer: its old name)"""
-    k: int = 32
-    """active experts / latents per token"""
-    width_multiplier: int = WIDTH_MULTIPLIER
-    """transcoder width m x d_model; MxD matched"""
-    train_tokens: int | None = None
-    """training tokens (default 262,144; 8,192 with --quick)"""
-    epochs: float = 2.0
-    """passes over the training tokens"""
-    eval_tokens: int | None = None
-    """held-out tokens (default 12,800; 1,024 with --quick)"""
-    context_size: int = StreamConfig.context_size
-    """tokens per row"""
-    batch_tokens: int | None = None
-    """tokens per training step (default 512; 256 with --quick)"""
-    out: str | None = None
-    """output folder (default results/demo; results/demo-quick with --quick)"""
+    sources: list[str] = field(metadata={"custom_args": {"nargs": "+"}, "positional": True})
+    """files, folders or datasets, as iter_texts reads them"""
+    out: str = "mixed.txt.xz"
+    """the .txt.xz to write"""
+    tokenizer: str | None = None
+    """count volume in this tokenizer's tokens (a Hugging Face folder, or 'default' for the default model's)"""
+    per_source: int | None = None
+    """stop after this volume (characters, or tokens with --tokenizer) from each source"""
+
+
+def _mix(args: argparse.Namespace) -> int:
+    """Interleave the documents of several texts into one .txt.xz: the next document always comes from the
+    source that has given the least so far, so that any prefix holds about as much of each source, whatever
+    the length of their documents (a Bible chapter against an Austen paragraph). By characters, or with
+    --tokenizer by that tokenizer's tokens; --per-source N stops at N per source (equal shares, refused if a
+    source holds less)."""
+    from mxd_lens.data import mix_texts
+
+    mix = args.mix
+    measure = None
+    if mix.tokenizer is not None:
+        from transformers import AutoTokenizer
+
+        from mxd_lens.models import hf_folder
+
+        folder = hf_folder(DEFAULT_MODEL if mix.tokenizer == "default" else mix.tokenizer)
+        tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+
+        def measure(doc: str) -> int:
+            return len(tokenizer(doc, add_special_tokens=False).input_ids)
+
+    n, given = mix_texts(mix.sources, mix.out, measure=measure, per_source=mix.per_source)
+    print(f"{mix.out}: {n:,} documents, {'tokens' if measure else 'characters'} per source {given}")
+    return 0
 
 
 @dataclass
@@ -142,106 +146,11 @@ class LayersArgument:
 
 
 @dataclass
-class ModelOut:
-    """The model and where to write."""
-
-    model: str = DEFAULT_MODEL
-    """model name or path"""
-    tl_name: str | None = None
-    """for a .gguf file or folder: the TransformerLens official name whose architecture to build with"""
-    out: str = "results"
-    """output folder (probe/steer/inspect write OUT/probing, OUT/steering, OUT/inspect)"""
-    threads: int = 0
-    """torch CPU threads (0: torch's default)"""
-
-
-@dataclass
 class CpuOptions:
     """How much of the machine to use."""
 
     threads: int = 0
     """torch CPU threads (0: torch's default, every core); on a shared machine, fewer"""
-
-
-@dataclass
-class EvalModel:
-    """The model the layers replace MLPs of."""
-
-    model: str | None = None
-    """model name or path (default: the model the layers' training record names, else smollm2-135m)"""
-    tl_name: str | None = None
-    """for a .gguf file or folder: the TransformerLens official name whose architecture to build with
-    (default: the one the training record names, if any)"""
-
-
-def _eval(args: argparse.Namespace) -> int:
-    """Splice each saved layer alone into the model on held-out text and measure ΔCE, KL, FVU, L0,
-    dead fraction and CE recovered; the results go into each layer's cfg.json (metadata.evaluation)
-    and an eval.json beside it, and a table is printed."""
-    import json
-
-    from mxd_lens.evaluation import evaluate_saved
-    from mxd_lens.layers.io import layer_folders
-    from mxd_lens.models import load_model
-
-    name, tl_name = args.model.model, args.model.tl_name
-    if name is None:  # the model the first layer was trained on, when load_model can name it
-        first = layer_folders(args.layers.layers)[0]
-        # the record alone, from cfg.json (evaluate_saved loads the layers themselves, once)
-        meta = json.loads((first / "cfg.json").read_text()).get("metadata") or {}
-        record = (meta.get("training") or {}).get("model") or {}
-        name = recorded_model(record, first)
-        tl_name = tl_name or record.get("tl_name")
-    from mxd_lens.evaluation import EvaluationNotRecorded
-
-    try:
-        rows = evaluate_saved(load_model(name, tl_name=tl_name), args.layers.layers, args.eval)
-    except EvaluationNotRecorded as err:
-        _print_eval_table(err.rows)
-        raise SystemExit(f"mxd-lens eval: {err}") from None
-    except (ValueError, FileNotFoundError) as err:
-        raise SystemExit(f"mxd-lens eval: {err}") from None
-    _print_eval_table(rows)
-    if args.eval.write:
-        print("\nrecorded in each layer's cfg.json (metadata.evaluation) and eval.json")
-    return 0
-
-
-def _print_eval_table(rows: list[dict[str, Any]]) -> None:
-    import pandas as pd
-
-    table = pd.DataFrame(rows)
-    tokens = int(table["tokens"].iloc[0])
-    table["delta_ce"] = [
-        f"{d:+.4f} ± {se:.4f}" for d, se in zip(table["delta_ce"], table["delta_ce_se"], strict=True)
-    ]
-    table["kl"] = [f"{k:.4f} ± {se:.4f}" for k, se in zip(table["kl"], table["kl_se"], strict=True)]
-    if "ce_zero_ablation" in table:
-        table["zero_ablation_cost"] = table["ce_zero_ablation"] - table["ce_clean"]
-    silent = f"silent on {tokens:,} tokens"
-    table = table.rename(columns={"dead_fraction": silent, "delta_ce": "delta_ce ± se", "kl": "kl ± se"})
-    columns = ["name", "ce_clean", "delta_ce ± se", "kl ± se", "zero_ablation_cost", "fvu", "l0", "always_on",
-               "effective_units", "top1_fvu", silent, "jacobian_cos", "ce_recovered_zero", "tokens"]  # fmt: skip
-    print(table[[c for c in columns if c in table]].to_markdown(index=False, floatfmt=".4f"))
-    print("± : standard error over the evaluation's batches; zero_ablation_cost: CE with the MLP's output "
-          "zeroed minus clean CE (what deleting the MLP costs)")  # fmt: skip
-
-
-def recorded_model(record: dict[str, Any], folder: Path) -> str:
-    """The model a layer's training record names, as ``load_model`` can load it from here: the name
-    as recorded, or for a local file or folder not found from this directory, the absolute path
-    recorded beside it; a ValueError naming the record when neither exists."""
-    name = record.get("name") or DEFAULT_MODEL
-    if record.get("kind") not in ("gguf", "hf_folder") or Path(name).expanduser().exists():
-        return name
-    if record.get("path") and Path(record["path"]).exists():
-        return record["path"]
-    if not ("/" in name or name.endswith(".gguf") or name.startswith((".", "~"))):
-        return name  # not spelled as a path: load_model says what it accepts
-    raise ValueError(
-        f"the model {name!r} named in {folder / 'cfg.json'} (metadata.training.model) is not found from "
-        f"{Path.cwd()}" + (f" nor at {record['path']}" if record.get("path") else "") + "; give --model"
-    )
 
 
 def _info(args: argparse.Namespace) -> int:
@@ -277,61 +186,6 @@ def _threads(n: int) -> None:
         torch.set_num_threads(n)
 
 
-def _run_study(args: argparse.Namespace, verb: str, folder: str, run: Any) -> Any:
-    """The shape probe/steer/inspect share: threads, OUT/folder, the model, ``run(model, study, out)``
-    (a ValueError becomes a one-line exit naming the command)."""
-    from mxd_lens.models import load_model
-
-    _threads(args.where.threads)
-    out = Path(args.where.out) / folder
-    try:
-        return out, run(load_model(args.where.model, tl_name=args.where.tl_name), args.study, out)
-    except ValueError as err:
-        raise SystemExit(f"mxd-lens {verb}: {err}") from None
-
-
-def _probe(args: argparse.Namespace) -> int:
-    """Sparse probing of saved layers on the offline suite (or SAEBench's): OUT/probing/{probing.csv,
-    summary.csv, paired.csv, probing.json, probing.png}."""
-    from mxd_lens.analysis.probing import format_probing, run_probing_study
-
-    out, results = _run_study(
-        args,
-        "probe",
-        "probing",
-        lambda model, study, out: run_probing_study(model, study, out, command=_command()),
-    )
-    print(format_probing(results))
-    print(f"\nwrote {out}/")
-    return 0
-
-
-def _steer(args: argparse.Namespace) -> int:
-    """Steer with each task's top probing feature, per layer at one K, scored offline:
-    OUT/steering/{steering.csv, steering.json, steering.png, contexts/}."""
-    from mxd_lens.analysis.steering import run_steering_study
-
-    out, table = _run_study(
-        args,
-        "steer",
-        "steering",
-        lambda model, study, out: run_steering_study(model, study, out, command=_command()),
-    )
-    print(table.drop(columns=["example"]).round(3).to_markdown(index=False))
-    print(f"\nwrote {out}/")
-    return 0
-
-
-def _inspect(args: argparse.Namespace) -> int:
-    """Top-activating contexts of chosen experts / latents: OUT/inspect/NAME.csv and NAME.html."""
-    from mxd_lens.analysis.inspect import run_inspect_study
-
-    out, table = _run_study(args, "inspect", "inspect", run_inspect_study)
-    print(table.groupby("feature").head(3).to_markdown(index=False))
-    print(f"\nwrote {out}/")
-    return 0
-
-
 def _publish(args: argparse.Namespace) -> int:
     """Upload saved layers to the Hugging Face hub in one commit: <sae_id>/cfg.json and
     sae_weights.safetensors per layer (sae_id = its folder's name) and a model card with each layer's
@@ -363,10 +217,13 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
+_LINE: list[str] | None = None  # the command line main() was given (a script may call main itself)
+
+
 def _command() -> str:
     import shlex
 
-    return shlex.join(["mxd-lens", *sys.argv[1:]])
+    return shlex.join(["mxd-lens", *(sys.argv[1:] if _LINE is None else _LINE)])
 
 
 def _check(args: argparse.Namespace) -> int:
@@ -424,115 +281,6 @@ def _check(args: argparse.Namespace) -> int:
         print(f"{kind:<10} {name:<34} {params:>9,} {clean:>9.4f} {delta:>+9.4f}")
     print("MxD.from_mlp must show ΔCE = 0: an MxD with one always-on expert is the MLP itself.")
     return 0 if all(abs(delta) < 1e-4 for _, name, _, _, delta in rows if name == "MxD.from_mlp") else 1
-
-
-def _demo(args: argparse.Namespace) -> int:
-    """The main job: on the default model and text, cache one mid layer's MLP activations, train a
-    parameter-matched MxD and TopK transcoder at the same K from that one stream, splice both into the
-    model on held-out text, print the comparison and save the plot and the weights."""
-
-    from mxd_lens.analysis.frontier import FrontierConfig, run_frontier
-    from mxd_lens.analysis.tasks import bundled_data
-    from mxd_lens.data import default_text
-    from mxd_lens.models import load_model
-
-    args = args.demo
-    quick = args.quick
-    model = load_model(args.model)
-    ood = args.ood_text or str(bundled_data() / "topic_fortunes_en.jsonl.xz")
-    config = FrontierConfig(
-        text=args.text or str(default_text()),
-        ood_text=None if ood.lower() == "none" else ood,
-        blocks=[args.block],
-        ks=[args.k],
-        width_multiplier=args.width_multiplier,
-        # MxD with the plain TopK gate: on the protocol sweep it keeps L0 = K where the paper's gate
-        # falls to L0 19 (docs/results.md, "MxD's codes on the review protocol")
-        archs=["mxd:gate=topk", "transcoder"],
-        train_tokens=args.train_tokens or (8_192 if quick else 262_144),
-        epochs=args.epochs,
-        eval_tokens=args.eval_tokens or (1_024 if quick else 12_800),
-        context_size=args.context_size,
-        batch_tokens=args.batch_tokens or (256 if quick else 512),
-        rows_per_block=33 if quick else 256,
-        cache_dtype="float16",  # half the disk of float32; activations need no more precision
-    )
-    out = args.out or ("results/demo-quick" if quick else "results/demo")
-    rows = run_frontier(model, config, out)
-    print(
-        f"\n{model.cfg.model_name}, block {args.block}: parameter-matched (m = {args.width_multiplier}), "
-        f"K = {args.k}, {rows[0]['train_tokens']:,} training tokens ("
-        + (f"{rows[0]['epochs']:.2f} epochs over the cache), " if rows[0].get("epochs") else "one pass), ")
-        + f"{rows[0]['tokens']:,} held-out tokens\n"
-    )
-    print(demo_table(rows))
-    print("\n" + demo_verdict(rows))
-    if quick:
-        print("(--quick is a smoke test of the pipeline on few tokens: its numbers are not a result.)")
-    print(
-        f"\nplot: {out}/frontier.png   table: {out}/frontier.csv   weights: {Path(rows[0]['weights']).parent}/"
-    )
-    return 0
-
-
-def demo_table(rows: list[dict[str, Any]]) -> str:
-    """The demo's table as people read it: params with separators, L0 to one decimal."""
-    import pandas as pd
-
-    table = pd.DataFrame(rows)
-    table = pd.DataFrame(
-        {
-            "method": table["label"],
-            "params": table["params"].map("{:,}".format),
-            "clean CE": table["ce_clean"].map("{:.3f}".format),
-            "ΔCE": table["delta_ce"].map("{:+.4f}".format),
-            "KL": table["kl"].map("{:.4f}".format),
-            "FVU": table["fvu"].map("{:.3f}".format),
-            "L0": table["l0"].map("{:.1f}".format),
-            "dead": table["dead_fraction"].map("{:.0%}".format),
-        }
-        | (
-            {
-                "ΔCE (other text)": table["ood_delta_ce"].map("{:+.4f}".format),
-                "KL (other text)": table["ood_kl"].map("{:.4f}".format),
-            }
-            if "ood_kl" in table
-            else {}
-        )
-    )
-    n = len(table.columns)
-    return table.to_markdown(index=False, colalign=["left"] + ["right"] * (n - 1), disable_numparse=True)
-
-
-def demo_verdict(rows: list[dict[str, Any]]) -> str:
-    """What the numbers say, ranked by KL (how far the spliced model's predictions move from the
-    model's own), with ΔCE beside it and a negative ΔCE worded as what it is."""
-    rows = sorted(rows, key=lambda r: r["kl"])
-    zero = rows[0]["ce_zero_ablation"] - rows[0]["ce_clean"]
-    kl = "; ".join(f"{r['label']} {r['kl']:.4f}" for r in rows)
-    ce = "; ".join(f"{r['label']} {r['delta_ce']:+.4f}" for r in rows)
-    text = (
-        f"{rows[0]['label']} stays closest to the model: KL(clean ‖ spliced) {kl} nats/token. ΔCE, the "
-        f"spliced model's next-token loss minus the clean model's (0: as good as the model's own MLP; "
-        f"deleting the MLP gives {zero:+.4f}): {ce}."
-    )
-    if "ood_kl" in rows[0]:
-        ood = sorted(rows, key=lambda r: r["ood_kl"])
-        text += (
-            f" On text none of them trained on ({ood[0]['ood_tokens']:,} tokens): KL "
-            + "; ".join(f"{r['label']} {r['ood_kl']:.4f}" for r in ood)
-            + ", ΔCE "
-            + "; ".join(f"{r['label']} {r['ood_delta_ce']:+.4f}" for r in ood)
-            + "."
-        )
-    negative = [r["label"] for r in rows if r["delta_ce"] < 0]
-    if negative:
-        text += (
-            f" A negative ΔCE ({', '.join(negative)}) is not a better model: the spliced model predicts this "
-            "held-out text better than the model itself because the layer was fitted to text like it; KL "
-            "counts that as a change."
-        )
-    return text
 
 
 def _cache(args: argparse.Namespace) -> int:
@@ -741,11 +489,11 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
             {"check": CheckCommand},
             _check,
         ),
-        "demo": (
-            "the main job: MxD vs TopK transcoder on the default model and text, end to end",
-            _demo.__doc__,
-            {"demo": DemoCommand, "cpu": CpuOptions},
-            _demo,
+        "mix": (
+            "interleave the documents of several texts into one, in equal shares",
+            _mix.__doc__,
+            {"mix": MixCommand},
+            _mix,
         ),
         "cache": (
             "write an activation cache (MLP input/output pairs) for later training runs",
@@ -765,12 +513,6 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
             {"stream": StreamConfig, "train": TrainCommand, "config": TrainConfig, "cpu": CpuOptions},
             _train,
         ),
-        "eval": (
-            "evaluate saved layers on held-out text and record the results in them",
-            _eval.__doc__,
-            {"layers": LayersArgument, "model": EvalModel, "eval": EvalConfig, "cpu": CpuOptions},
-            _eval,
-        ),
         "publish": (
             "upload saved layers to the Hugging Face hub (SAELens layout, model card)",
             _publish.__doc__,
@@ -789,31 +531,63 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
             {"layers": LayersArgument},
             _info,
         ),
-        "probe": (
-            "sparse probing of saved layers",
-            _probe.__doc__,
-            {"study": ProbingStudy, "where": ModelOut},
-            _probe,
-        ),
-        "steer": (
-            "steering with saved layers, scored offline",
-            _steer.__doc__,
-            {"study": SteeringStudy, "where": ModelOut},
-            _steer,
-        ),
-        "inspect": (
-            "top-activating contexts of chosen features",
-            _inspect.__doc__,
-            {"study": InspectStudy, "where": ModelOut},
-            _inspect,
-        ),
     }
     for name, (summary, description, options, func) in commands.items():
         command = sub.add_parser(name, help=summary, description=description)
         for dest, options_class in options.items() if only in (None, name) else ():
             command.add_arguments(options_class, dest=dest)
         command.set_defaults(func=func)
+    # every registered study is a verb: its options dataclass and the options its kind shares
+    from mxd_lens.studies import STUDIES, load_plugins
+
+    if only and only not in STUDIES and only not in commands:
+        load_plugins()
+    for name, study in STUDIES.items():
+        if name in commands:
+            raise RuntimeError(
+                f"the study {name!r} has the name of a built-in command; register it under another"
+            )
+        wanted = only in (None, name)
+        options_class = study.options_class() if wanted else None
+        description = inspect.cleandoc(options_class.__doc__ or "") if wanted else None
+        command = sub.add_parser(name, help=study.summary, description=description)
+        if wanted:
+            command.add_arguments(options_class, dest="study")
+            command.add_arguments(study.where_class(), dest="where")
+        command.set_defaults(func=_study_verb(study))
     return parser
+
+
+def _study_verb(study: Any) -> Any:
+    """The function that runs ``study`` as its verb: threads, the host model, ``run(model, options,
+    out)``, the result written (atomically) and printed."""
+
+    def verb(args: argparse.Namespace) -> int:
+        from mxd_lens.studies import StudyIncomplete, resolve
+        from mxd_lens.studies.report import render, write_result
+
+        options, where = args.study, args.where
+        if where.threads < 0:
+            raise SystemExit(f"mxd-lens {study.name}: --threads {where.threads} must be >= 0 (0: every core)")
+        _threads(where.threads)
+        model = resolve(study.model)(where, options) if study.model else None
+        out = study.out_folder(getattr(where, "out", None))
+        try:
+            result = resolve(study.run)(model, options, out)
+        except StudyIncomplete as err:
+            print(render(err.result))
+            raise SystemExit(f"mxd-lens {study.name}: {err}") from None
+        if result.record:
+            result.record.setdefault("command", _command())
+        written = write_result(result, out) if out is not None else []
+        shown = render(result)
+        if shown:
+            print(shown)
+        if written:
+            print(f"\nwrote {out}/ ({', '.join(sorted({p.relative_to(out).parts[0] for p in written}))})")
+        return 0
+
+    return verb
 
 
 def _joined_negative_values(words: list[str]) -> list[str]:
@@ -865,7 +639,9 @@ def _imported_modules(words: list[str]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = _joined_negative_values(sys.argv[1:] if argv is None else list(argv))
+    global _LINE
+    _LINE = sys.argv[1:] if argv is None else list(argv)
+    argv = _joined_negative_values(_LINE)
     argv = _imported_modules(argv)
     words = argv
     parser = build_parser(only=next((w for w in words if not w.startswith("-")), ""))

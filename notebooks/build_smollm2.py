@@ -63,7 +63,7 @@ pd.DataFrame(rows)[["name", "params", "delta_ce", "kl", "fvu", "l0", "dead_fract
     ("md", "## The frontier study (docs/results.md): ΔCE, KL and FVU against K"),
     (
         "code",
-        """from mxd_lens.analysis.frontier import load_results, plot_frontier, summarize
+        """from mxd_lens.studies.frontier.run import load_results, plot_frontier, summarize
 
 # the committed copy of the study's results, with the K = 8 MxD point's rerun (gradient clipping) in
 # place of its diverged run, as in docs/results.md

@@ -170,7 +170,9 @@ def test_edges_are_the_frozen_change_of_downstream_gates(down_cls):
 
 
 def test_report_writes_the_table_graph_and_one_page(tmp_path):
-    from mxd_lens.attribution import edges, write_report
+    from mxd_lens.attribution import edges
+    from mxd_lens.studies.attribution.run import attribution_report
+    from mxd_lens.studies.report import write_result
 
     model = make_model("gated")
     up = randomise(MxD.for_model(model, 0, d_sae=16, k=3), 1, scale=0.3)
@@ -180,14 +182,16 @@ def test_report_writes_the_table_graph_and_one_page(tmp_path):
         result = attribute(model, tokens, logit_target(5))
         graph = {(0, 2): edges(model, tokens, 0, 2, keep=0.5)}
     top = result.top(1).iloc[0]
-    paths = write_report(result, tmp_path, graph, contexts={(int(top.block), int(top.unit)): "the <cat> sat"})
-    page = paths["html"].read_text()
+    report = attribution_report(result, graph, contexts={(int(top.block), int(top.unit)): "the <cat> sat"})
+    written = {p.name for p in write_result(report, tmp_path)}
+    assert written == {"units.csv", "parts.csv", "graph.png", "report.html"}
+    page = (tmp_path / "report.html").read_text()
     assert "data:image/png;base64," in page and "completeness" in page and "the &lt;cat&gt; sat" in page
-    assert paths["graph"].stat().st_size > 0
+    assert (tmp_path / "graph.png").stat().st_size > 0
     import pandas as pd
 
-    units = pd.read_csv(paths["units"])
-    assert units.attribution.sum() + pd.read_csv(paths["parts"]).attribution.sum() == pytest.approx(
+    units = pd.read_csv(tmp_path / "units.csv")
+    assert units.attribution.sum() + pd.read_csv(tmp_path / "parts.csv").attribution.sum() == pytest.approx(
         result.target, rel=1e-4
     )
 
@@ -195,8 +199,12 @@ def test_report_writes_the_table_graph_and_one_page(tmp_path):
 def test_the_study_compares_methods_at_the_same_blocks_and_its_numbers_are_the_attributions(tmp_path):
     from conftest import make_text_model
 
-    from mxd_lens.attribution import replacement_summary, run_attribution_study
-    from mxd_lens.config import AttributionStudy
+    from mxd_lens.attribution import replacement_summary
+    from mxd_lens.studies import run_study
+    from mxd_lens.studies.attribution import AttributionOptions as AttributionStudy
+
+    def run_attribution_study(model, study, out=None, progress=False):
+        return run_study("attribution", model, study, out).table
 
     model, _ = make_text_model(tmp_path)
     saved = {}
@@ -256,19 +264,20 @@ def test_the_study_compares_methods_at_the_same_blocks_and_its_numbers_are_the_a
 
 
 def test_the_scripts_print_and_write_what_the_library_computes(tmp_path, monkeypatch, capsys):
-    """analyses/attribution.py and analyses/attribution_study.py over saved layers of a tiny model:
-    the printed target and completeness are attribute()'s, the report and the study's files are written."""
+    """mxd-lens attribute and mxd-lens attribution over saved layers of a tiny model: the printed target
+    and completeness are attribute()'s, the report and the study's files are written."""
     import re
-    import sys
-    from pathlib import Path
 
     from conftest import make_text_model
 
     import mxd_lens.models
+    from mxd_lens.cli import main
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "analyses"))
-    import attribution as attribution_script
-    import attribution_study
+    def attribution_script(argv):
+        return main(["attribute", *argv])
+
+    def attribution_study(argv):
+        return main(["attribution", *argv])
 
     model, _ = make_text_model(tmp_path)
     monkeypatch.setattr(mxd_lens.models, "load_model", lambda *args, **kw: model)
@@ -282,7 +291,7 @@ def test_the_scripts_print_and_write_what_the_library_computes(tmp_path, monkeyp
     argv = ["--layers", *mxd_folders, "--prompt", "the cat sat on a", "--target", " mat", "--minus", " dogs"]
     argv += ["--context-tokens", "0", "--out", str(tmp_path / "one")]
     argv_one = argv
-    assert attribution_script.main(argv) == 0
+    assert attribution_script(argv) == 0
     printed = capsys.readouterr().out
     with mxd_lens.splice(model, *layers[:2], error_term=True):
         expected = attribute(
@@ -302,12 +311,14 @@ def test_the_scripts_print_and_write_what_the_library_computes(tmp_path, monkeyp
 
     argv = ["--layers", str(tmp_path / "final"), "--k", "3", "--top", "2", "--out", str(tmp_path / "study")]
     argv += ["--prompts", "the cat sat on a| mat| dogs", "birds sang songs of| rain"]
-    assert attribution_study.main(argv) == 0
+    assert attribution_study(argv) == 0
     printed = capsys.readouterr().out
     assert "top_abs_share mean" in printed and "error_abs_share median" in printed
     assert (tmp_path / "study" / "attribution_study.csv").is_file()
-    with pytest.raises(SystemExit, match="attribution_study: .*'hills green' is 2 tokens"):
-        attribution_study.main(argv[:-2] + ["the cat|hills green"])
+    with pytest.raises(SystemExit, match="mxd-lens attribution: .*'hills green' is 2 tokens"):
+        attribution_study(argv[:-2] + ["the cat|hills green"])
     # a word outside the vocabulary would silently attribute the <unk> logit: refused
-    with pytest.raises(SystemExit, match=r"attribution: ' zebra' is not in this model's vocabulary .*<unk>"):
-        attribution_script.main(argv_one[:5] + ["--target", " zebra", "--out", str(tmp_path / "unk")])
+    with pytest.raises(
+        SystemExit, match=r"mxd-lens attribute: ' zebra' is not in this model's vocabulary .*<unk>"
+    ):
+        attribution_script(argv_one[:5] + ["--target", " zebra", "--out", str(tmp_path / "unk")])

@@ -59,15 +59,13 @@ def test_eval_speed_runs_on_a_tiny_model_and_the_evaluations_agree(capsys):
 
 
 def test_mix_texts_interleaves_by_volume_and_keeps_every_document(tmp_path):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "analyses"))
-    import mix_texts
-
     from mxd_lens import data
+    from mxd_lens.cli import main
 
     (tmp_path / "long.txt").write_text("\n\n".join(f"long {i} " + "x" * 400 for i in range(5)))
     (tmp_path / "short.txt").write_text("\n\n".join(f"short {i}" for i in range(200)))
     out = tmp_path / "mixed.txt.xz"
-    assert mix_texts.main([str(tmp_path / "long.txt"), str(tmp_path / "short.txt"), "--out", str(out)]) == 0
+    assert main(["mix", str(tmp_path / "long.txt"), str(tmp_path / "short.txt"), "--out", str(out)]) == 0
     mixed = list(data.iter_texts(out))
     originals = list(data.iter_texts(tmp_path / "long.txt")) + list(data.iter_texts(tmp_path / "short.txt"))
     assert sorted(mixed) == sorted(originals)

@@ -18,7 +18,7 @@ from test_activations import random_rows
 
 import mxd_lens
 from mxd_lens.activations import ModelActivations
-from mxd_lens.analysis.probing import layer_label
+from mxd_lens.analysis.probing import layer_method
 from mxd_lens.cli import build_parser
 from mxd_lens.training import LearnerSpec, TrainConfig, Trainer
 
@@ -72,7 +72,7 @@ def test_the_documented_architecture_trains_folds_saves_and_loads(example, tmp_p
     assert args.train.arch == [KEY, "mxd"]
     with pytest.raises(ValueError, match=f"--arch nope: not a key of mxd_lens.ARCHITECTURES .*'{KEY}'"):
         build_parser().parse_args(["train", "--out", "o", "--cache", "c", "--epochs", "1", "--arch", "nope"])
-    assert layer_label(loaded) == "Low-rank skip transcoder K=4"
+    assert layer_method(loaded) == KEY and mxd_lens.arch_label(KEY) == "Low-rank skip transcoder"
 
 
 def test_a_taken_name_is_refused(example):

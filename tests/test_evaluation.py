@@ -227,10 +227,8 @@ def test_each_evaluation_text_keeps_its_own_record(tmp_path, capsys, monkeypatch
     seen = [(r["text"]["text"], r["tokens"]) for r in meta["evaluations"]]
     assert [(t, n) for t, n in seen] == [(str(other), 110), (str(corpus), 220), (str(corpus), 110)]
     assert meta["evaluation"] == meta["evaluations"][-1]
-    assert (
-        "silent on 110 tokens" in printed and "delta_ce ± se" in printed and "zero_ablation_cost" in printed
-    )
-    assert "ce_clean" in printed
+    assert "silent on 110 tokens" in printed and "ΔCE ± se" in printed and "zero-ablation ΔCE" in printed
+    assert "clean CE" in printed
     capsys.readouterr()
     assert main(["info", str(tmp_path / "L1")]) == 0
     shown = capsys.readouterr().out

@@ -11,7 +11,8 @@ import torch
 from conftest import make_text_model
 from sae_lens import SAE
 
-from mxd_lens.analysis.frontier import FrontierConfig, plot_frontier, run_frontier
+from mxd_lens.studies.frontier import FrontierConfig
+from mxd_lens.studies.frontier.run import plot_frontier, run_frontier
 
 
 def test_frontier_trains_evaluates_and_writes_everything(tmp_path):
@@ -106,7 +107,7 @@ def test_frontier_grid_seeds_and_other_eval_text(tmp_path):
 def test_summary_means_over_seeds_and_compares_with_the_transcoder(tmp_path):
     import json
 
-    from mxd_lens.analysis.frontier import load_results, summarize, summary_markdown
+    from mxd_lens.studies.frontier.run import load_results, summarize, summary_markdown
 
     rows = []
     # run_frontier writes the key ("mxd"); rows written before then hold the label ("MxD"); both are read
@@ -187,7 +188,7 @@ def test_frontier_variants_rates_and_out_of_domain_text(tmp_path):
     for row in rows.values():
         assert row["ood_tokens"] >= 96 - 12 and row["ood_kl"] >= 0 and row["ood_kl"] != row["kl"]
         assert 0 < row["ood_fvu"] and -1 <= row["ood_jacobian_cos"] <= 1
-    from mxd_lens.analysis.frontier import load_results, summarize, usage_markdown
+    from mxd_lens.studies.frontier.run import load_results, summarize, usage_markdown
 
     summary = summarize(load_results(tmp_path / "out"))
     text = usage_markdown(summary)

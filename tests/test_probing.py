@@ -268,10 +268,30 @@ def animal_task_and_layers(model, tmp_path):
     return task_set
 
 
+def run_probing_study(model, study, out, progress=False, task_sets=None):
+    """The probing study as ``mxd-lens probe`` runs it: run, then the report writer; the result's tables."""
+    from mxd_lens.studies.probe.run import run
+    from mxd_lens.studies.report import write_result
+
+    result = run(model, study, out, task_sets=task_sets, progress=progress)
+    write_result(result, out)
+    return result.value
+
+
+def merge_probing(folders, out):
+    from mxd_lens.studies.probe import MergeOptions
+    from mxd_lens.studies.probe.run import merge
+    from mxd_lens.studies.report import write_result
+
+    result = merge(None, MergeOptions(folders=[str(f) for f in folders]), out)
+    write_result(result, out)
+    return result.value
+
+
 def test_probing_study_writes_its_tables_and_pairs_by_k(text_model, tmp_path):
     import pandas as pd
 
-    from mxd_lens.analysis.probing import ProbingStudy, run_probing_study
+    from mxd_lens.studies.probe import ProbeOptions as ProbingStudy
 
     task_set = animal_task_and_layers(text_model, tmp_path)
     study = ProbingStudy(layers=[str(tmp_path / "final")], ks=[1, 2], context_size=12)
@@ -352,12 +372,11 @@ def test_the_bundled_sets_load_and_each_file_has_its_licence_written():
 def test_merged_studies_equal_one_study_of_all_layers(text_model, tmp_path, capsys):
     """Probing two layers in one study, or each in its own study and merging the two, gives the same
     tables (the dense ceiling, computed by both, appears once); a study on other texts is refused."""
-    import sys
-    from pathlib import Path
 
     import pandas as pd
 
-    from mxd_lens.analysis.probing import ProbingStudy, merge_probing, read_probing_table, run_probing_study
+    from mxd_lens.studies.probe import ProbeOptions as ProbingStudy
+    from mxd_lens.studies.probe.run import read_probing_table
 
     task_set = animal_task_and_layers(text_model, tmp_path)
 
@@ -369,11 +388,10 @@ def test_merged_studies_equal_one_study_of_all_layers(text_model, tmp_path, caps
     both = study([str(tmp_path / "final")], "both")
     one = study([str(tmp_path / "final" / "mxd")], "one")
     other = study([str(tmp_path / "final" / "tc")], "other")
-    # through the script (which calls merge_probing): what a user runs
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "analyses"))
-    import merge_probing as script
+    # through the verb: what a user runs
+    from mxd_lens.cli import main
 
-    assert script.main([str(one), str(other), "--out", str(tmp_path / "merged")]) == 0
+    assert main(["probe-merge", str(one), str(other), "--out", str(tmp_path / "merged")]) == 0
     assert "MxD - Transcoder" in capsys.readouterr().out
     merged = {"paired": pd.read_csv(tmp_path / "merged/paired.csv")}
 
@@ -411,8 +429,8 @@ def test_merged_studies_equal_one_study_of_all_layers(text_model, tmp_path, caps
         merge_probing([one], tmp_path / "refused")
     with pytest.raises(FileNotFoundError, match="probing study wrote"):
         merge_probing([one, tmp_path], tmp_path / "refused")
-    with pytest.raises(SystemExit, match="merge_probing: .*other tasks"):
-        script.main([str(one), str(tmp_path / "fewer"), "--out", str(tmp_path / "refused")])
+    with pytest.raises(SystemExit, match="mxd-lens probe-merge: .*other tasks"):
+        main(["probe-merge", str(one), str(tmp_path / "fewer"), "--out", str(tmp_path / "refused")])
 
 
 def test_paper_protocol_against_a_hand_loop():
@@ -450,7 +468,8 @@ def test_both_protocols_and_the_neuron_baseline_in_one_study(text_model, tmp_pat
     hidden activations (hook_post) mean-pooled like codes; the paper summaries are written apart."""
     import pandas as pd
 
-    from mxd_lens.analysis.probing import ProbingStudy, pooled_activations, run_probing_study
+    from mxd_lens.analysis.probing import pooled_activations
+    from mxd_lens.studies.probe import ProbeOptions as ProbingStudy
 
     task_set = animal_task_and_layers(text_model, tmp_path)
     plain = ProbingStudy(layers=[str(tmp_path / "final")], ks=[1, 2], context_size=12)

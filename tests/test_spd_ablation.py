@@ -288,7 +288,9 @@ def test_real_model_study_end_to_end_on_toy_data(tmp_path):
 
     from conftest import WORDS, make_text_model
 
-    from mxd_lens.spd.real_model import CONCEPTS, CORPUS, RealModelStudy, run_real_model_study
+    from mxd_lens.studies.spd_ablation import CONCEPTS
+    from mxd_lens.studies.spd_ablation import SPDAblationOptions as RealModelStudy
+    from mxd_lens.studies.spd_ablation.run import CORPUS, run_real_model_study
 
     model, _ = make_text_model(tmp_path)
     rng = random.Random(0)

@@ -314,32 +314,34 @@ def test_induction_spd_study_train_report_summary(tmp_path):
     and the summary are written, another model for the same run is refused."""
     import json
 
-    from mxd_lens.spd import induction_study as study_lib
     from mxd_lens.spd.induction import train_induction_model
+    from mxd_lens.studies.spd_induction import SPDInductionOptions
+    from mxd_lens.studies.spd_induction import run as study_lib
 
     train_induction_model(
         tmp_path / "model", steps=5, batch_size=32, eval_every=5, eval_size=64, progress=False
     )
-    study = study_lib.InductionSPDStudy(variant="token-stoch", steps=4, batch_size=4)
+    study = SPDInductionOptions(variant="token-stoch", steps=4, batch_size=4)
     first = study_lib.train_variant(study, tmp_path, progress=False)
     assert (first["from_step"], first["to_step"]) == (0, 4)
-    more = study_lib.train_variant(study_lib.InductionSPDStudy(variant="token-stoch", steps=6, batch_size=4), tmp_path,
+    more = study_lib.train_variant(SPDInductionOptions(variant="token-stoch", steps=6, batch_size=4), tmp_path,
                                    progress=False)  # fmt: skip
     assert (more["from_step"], more["to_step"]) == (4, 6)
     report = study_lib.report_variant(
-        study_lib.InductionSPDStudy(variant="token-stoch", steps=6, batch_size=4), tmp_path
+        SPDInductionOptions(variant="token-stoch", steps=6, batch_size=4), tmp_path
     )
     assert report["training"]["steps"] == 6 and (tmp_path / "token-stoch/ci_by_position.png").is_file()
     table = study_lib.summarize_variants(tmp_path)
     assert "token-stoch" in table and json.loads((tmp_path / "summary.json").read_text())["token-stoch"]
     with pytest.raises(ValueError, match="was trained on"):
         study_lib.train_variant(
-            study_lib.InductionSPDStudy(variant="token-stoch", model=str(tmp_path / "x.pt")), tmp_path
+            SPDInductionOptions(variant="token-stoch", model=str(tmp_path / "x.pt")), tmp_path
         )
 
 
 def test_the_reference_recipe_is_goodfire_spds_ih_config_and_overrides_get_their_own_folder() -> None:
-    from mxd_lens.spd.induction_study import InductionSPDStudy, make_config
+    from mxd_lens.studies.spd_induction import SPDInductionOptions as InductionSPDStudy
+    from mxd_lens.studies.spd_induction.run import make_config
 
     ref = make_config("ref-token-stoch", steps=1000, batch_size=16)
     assert (ref.C, ref.ci_hidden, ref.ci, ref.faithfulness, ref.faithfulness_warmup_steps) == (
@@ -382,16 +384,17 @@ def test_the_reference_recipe_is_goodfire_spds_ih_config_and_overrides_get_their
 def test_training_in_trend_chunks_is_the_same_run_and_records_each_chunk(tmp_path):
     import json
 
-    from mxd_lens.spd import induction_study as study_lib
     from mxd_lens.spd.induction import train_induction_model
+    from mxd_lens.studies.spd_induction import SPDInductionOptions
+    from mxd_lens.studies.spd_induction import run as study_lib
 
     train_induction_model(
         tmp_path / "model", steps=5, batch_size=32, eval_every=5, eval_size=64, progress=False
     )
     model = str(tmp_path / "model" / "model.pt")
     small = dict(variant="ref-token-stoch", steps=5, batch_size=4, C=4, ci_hidden=4, model=model)
-    study_lib.train_variant(study_lib.InductionSPDStudy(**small), tmp_path / "whole", progress=False)
-    chunked = study_lib.InductionSPDStudy(**small, trend_every=2)
+    study_lib.train_variant(SPDInductionOptions(**small), tmp_path / "whole", progress=False)
+    chunked = SPDInductionOptions(**small, trend_every=2)
     study_lib.train_variant(chunked, tmp_path / "chunks", progress=False)
     name = chunked.name
     points = [
@@ -418,3 +421,20 @@ def test_training_in_trend_chunks_is_the_same_run_and_records_each_chunk(tmp_pat
     # the chunked history also logs each chunk's last step; everything the whole run logged is in it
     assert [r["step"] for r in states[1]["history"]] == [2, 4, 5]
     assert all(r in states[1]["history"] for r in states[0]["history"])
+
+
+def test_the_model_verb_options_are_the_trainers_keyword_arguments_with_its_defaults():
+    """mxd-lens spd-induction-model's options (a torch-free dataclass, so --help is quick) name every
+    keyword argument of InductionTrainer that a user sets, with the same defaults."""
+    import dataclasses
+    import inspect
+
+    from mxd_lens.spd.induction import InductionTrainer
+    from mxd_lens.studies.spd_induction import InductionModelOptions
+
+    signature = inspect.signature(InductionTrainer.__init__).parameters
+    for option in dataclasses.fields(InductionModelOptions):
+        if option.name in ("plateau", "steps"):  # a switch here (the trainer takes the rule); steps: required
+            continue
+        assert option.name in signature, option.name
+        assert signature[option.name].default == option.default, option.name

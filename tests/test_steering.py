@@ -208,9 +208,12 @@ def test_steering_study_end_to_end_on_a_toy_suite(tmp_path, monkeypatch):
     }.items():
         randomise(layer, 3, scale=0.05)
         layer.save_model(tmp_path / "final" / name)
-    study = steering.SteeringStudy(layers=str(tmp_path / "final"), k=3, tasks=["animals/cat"], multiples=[0.0, 4.0],
+    from mxd_lens.studies import run_study
+    from mxd_lens.studies.steer import SteerOptions
+
+    study = SteerOptions(layers=str(tmp_path / "final"), k=3, tasks=["animals/cat"], multiples=[0.0, 4.0],
                                    samples=2, new_tokens=3, context_size=12, context_tokens=256)  # fmt: skip
-    table = steering.run_steering_study(model, study, tmp_path / "out", progress=False)
+    table = run_study("steer", model, study, tmp_path / "out").table
     assert sorted(table.name) == ["mxd", "mxd", "tc", "tc"] and (table.scale > 0).all()
     zero = table[table.multiple == 0].set_index("name")
     assert zero.loc["mxd", "example"] == zero.loc["tc", "example"]
@@ -220,5 +223,6 @@ def test_steering_study_end_to_end_on_a_toy_suite(tmp_path, monkeypatch):
     contexts = pd.read_csv(tmp_path / "out/contexts/tc.csv")
     assert set(contexts.feature) <= set(table[table.name == "tc"].feature)
     with pytest.raises(ValueError, match="unknown tasks"):
-        steering.run_steering_study(model, steering.SteeringStudy(layers=str(tmp_path / "final"), k=3, tasks=["x/y"]),
-                                    tmp_path / "bad", progress=False)  # fmt: skip
+        run_study(
+            "steer", model, SteerOptions(layers=str(tmp_path / "final"), k=3, tasks=["x/y"]), tmp_path / "bad"
+        )

@@ -28,8 +28,6 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from mxd_lens import hooks
-from mxd_lens.config import InspectStudy  # noqa: F401 (re-exported)
-from mxd_lens.fileio import atomic_to_csv
 from mxd_lens.layers.base import MLPReplacement, _atomic_write
 
 COLUMNS = ("feature", "rank", "activation", "token", "left", "right", "row", "position")
@@ -328,44 +326,22 @@ def text_batches(
     )
 
 
-def write_top_contexts(
+def top_contexts(
     model: Any,
     layer: MLPReplacement[Any],
     features: Sequence[int],
-    out: str | Path,
-    name: str,
     text: Sequence[str | Path] | None = None,
-    tokens: int = InspectStudy.tokens,
-    context_size: int = InspectStudy.context_size,
-    n: int = InspectStudy.n,
+    tokens: int = 100_000,
+    context_size: int = 128,
+    n: int = 20,
     progress: bool = True,
 ) -> pd.DataFrame:
-    """``top_activations`` of ``features`` over ``text_batches``, written as OUT/NAME.csv and the
-    page OUT/NAME.html; returns the table."""
+    """``top_activations`` of ``features`` over ``text_batches`` (``text``: the bundled English text when
+    None): the ``n`` top contexts of each feature over ``tokens`` tokens."""
     batches = text_batches(model, text, tokens, context_size)
-    table = top_activations(model, layer, batches, features, n=n, progress=progress)
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    atomic_to_csv(table, out / f"{name}.csv", index=False)
-    to_html(table, f"{name}: top contexts over {table.attrs['tokens']:,} tokens", out / f"{name}.html")
-    return table
+    return top_activations(model, layer, batches, features, n=n, progress=progress)
 
 
-def run_inspect_study(
-    model: Any, study: InspectStudy, out: str | Path, progress: bool = True
-) -> pd.DataFrame:
-    """``write_top_contexts`` for ``study``'s layer and features (named by the layer's folder)."""
-    from mxd_lens.layers.io import load_layer
-
-    layer, name = load_layer(study.layer), Path(study.layer).name
-    features = list(study.features)
-    if study.from_steering:
-        chosen = pd.read_csv(study.from_steering)
-        features += sorted(set(chosen[chosen["name"] == name]["feature"].astype(int)) - set(features))
-    if not features:
-        raise ValueError(
-            "no features: give features, or from_steering with a steering.csv that used this layer"
-        )
-    return write_top_contexts(
-        model, layer, features, out, name, study.text, study.tokens, study.context_size, study.n, progress
-    )
+def contexts_title(name: str, table: pd.DataFrame) -> str:
+    """The heading of a layer's top-contexts page."""
+    return f"{name}: top contexts over {table.attrs['tokens']:,} tokens"

@@ -19,7 +19,6 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -29,8 +28,7 @@ from tqdm.auto import tqdm
 
 from mxd_lens import hooks
 from mxd_lens.analysis.tasks import Examples, TaskSet, binary_task, splits
-from mxd_lens.config import ProbingStudy  # noqa: F401 (re-exported)
-from mxd_lens.fileio import atomic_to_csv, atomic_write, atomic_write_text
+from mxd_lens.fileio import atomic_write, atomic_write_text
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -446,9 +444,33 @@ def run_probing(
     return pd.DataFrame(rows), fitted
 
 
-def layer_label(layer: MLPReplacement) -> str:
-    """'MxD K=32' / 'Transcoder K=32' / ...: the architecture's label and K."""
-    return f"{type(layer).label} K={layer.cfg.k}"
+def layer_method(layer: MLPReplacement) -> str:
+    """The layer's architecture key with its options (``mxd``, ``mxd:gate=topk``), as rows name it."""
+    from mxd_lens.training import LearnerSpec
+
+    return LearnerSpec.of(layer).method
+
+
+def layer_sources(table: pd.DataFrame) -> dict[str, tuple[str, int]]:
+    """{source: (architecture key, K)} of the layers' rows of a probing table (columns ``method`` and
+    ``K``; tables written before those existed name the layer by its label, 'MxD K=32', read here)."""
+    if "method" not in table:  # an older table: the label, read back through the registry
+        from mxd_lens.layers import ARCHITECTURES
+
+        keys = {cls.label: key for key, cls in ARCHITECTURES.items()}
+        table = table.assign(method=None, K=None)
+        for i, label in table.label.items():
+            name, sep, K = str(label).rpartition(" K=")
+            if sep and name in keys:
+                table.loc[i, ["method", "K"]] = keys[name], int(K)
+    rows = table.dropna(subset=["method"]).drop_duplicates("source")
+    return {s: (m, int(K)) for s, m, K in zip(rows.source, rows.method, rows.K, strict=True)}
+
+
+def _family(method: str) -> str:
+    from mxd_lens.layers import parse_arch
+
+    return parse_arch(method)[0]
 
 
 def summarize(table: pd.DataFrame, protocol: str = "saebench", metric: str = "test_accuracy") -> pd.DataFrame:
@@ -495,21 +517,25 @@ def _with_protocol(table: pd.DataFrame) -> pd.DataFrame:
     return table if "protocol" in table else table.assign(protocol="saebench")
 
 
-def plot_probing(table: pd.DataFrame, labels: Mapping[str, str], path: str | Path | None = None) -> Any:
+def plot_probing(
+    table: pd.DataFrame, layers: Mapping[str, tuple[str, int]], path: str | Path | None = None
+) -> Any:
     """Mean test accuracy against k per layer under SAEBench's protocol (one panel per layer K, methods as
     lines, bars: standard error over tasks), the dense MLP input/output probes and the MLP's neurons as
-    horizontal lines / a line in every panel. Returns the Figure (saved to ``path`` when given)."""
+    horizontal lines / a line in every panel. ``layers``: {source: (architecture key, K)}. Returns the
+    Figure (saved to ``path`` when given)."""
     from matplotlib.figure import Figure
+
+    from mxd_lens.layers import arch_label
 
     table = _with_protocol(table)
     table = table[table.protocol == "saebench"]
     neurons = table[table.source.str.startswith(NEURONS + ".") & (table.k != "all")]
     neuron_stats = neurons.groupby("k")["test_accuracy"].agg(["mean", "std", "count"])
-    table = table[table.source.isin(labels) | (table.k == "all")]
+    table = table[table.source.isin(layers) | (table.k == "all")]
     sparse = table[table.k != "all"].copy()
-    sparse["label"] = sparse.source.map(labels)
-    sparse["method"] = sparse.label.str.rsplit(" K=", n=1).str[0]
-    sparse["K"] = sparse.label.str.rsplit(" K=", n=1).str[1].astype(int)
+    sparse["method"] = [arch_label(layers[s][0]) for s in sparse.source]
+    sparse["K"] = [layers[s][1] for s in sparse.source]
     dense = table[table.k == "all"].groupby("source")["test_accuracy"].mean()
     Ks = sorted(sparse.K.unique())
     fig = Figure(figsize=(4.2 * len(Ks), 3.8), layout="tight")
@@ -539,171 +565,24 @@ def plot_probing(table: pd.DataFrame, labels: Mapping[str, str], path: str | Pat
     return fig
 
 
-# -- the study (mxd-lens probe, a notebook) --------------------------------------------------------
-def paired_comparisons(table: pd.DataFrame, labels: Mapping[str, str]) -> pd.DataFrame:
-    """MxD against each other method at the same K: ``paired_difference`` per k, one block per pair."""
+def paired_comparisons(table: pd.DataFrame, layers: Mapping[str, tuple[str, int]]) -> pd.DataFrame:
+    """Each MxD (any gate) against each layer of another architecture at the same K: ``paired_difference``
+    per k, one block per pair. ``layers``: {source: (architecture key, K)}."""
     import pandas as pd
 
-    by_label = {label: source for source, label in labels.items()}
+    from mxd_lens.layers import arch_label
+
     frames = []
-    for label, source in by_label.items():
-        method, K = label.rsplit(" K=", 1)
-        if method != "MxD":
+    for source, (method, K) in layers.items():
+        if _family(method) != "mxd":
             continue
-        for other, other_source in by_label.items():
-            other_method, other_K = other.rsplit(" K=", 1)
-            if other_K == K and other_method != "MxD":
+        for other_source, (other, other_K) in layers.items():
+            if other_K == K and _family(other) != "mxd":
                 frame = paired_difference(table, source, other_source)
-                frames.append(frame.assign(K=int(K), comparison=f"MxD - {other_method}"))
+                frames.append(
+                    frame.assign(K=int(K), comparison=f"{arch_label(method)} - {arch_label(other)}")
+                )
     if not frames:
         return pd.DataFrame()
     cols = ["K", "comparison", "k", "mean_difference", "se", "a_wins", "b_wins", "tasks"]
     return pd.concat(frames)[cols].sort_values(["K", "comparison", "k"])
-
-
-def run_probing_study(
-    model: HookedTransformer,
-    study: ProbingStudy,
-    out: str | Path,
-    command: str | None = None,
-    progress: bool = True,
-    task_sets: Sequence[TaskSet] | None = None,
-) -> dict[str, pd.DataFrame]:
-    """Run ``study`` and write OUT/probing.csv and .json (one row per task, source and k),
-    OUT/summary.csv (mean accuracy and standard error per source and k), OUT/paired.csv (MxD minus
-    each other method at equal K, paired over tasks) and OUT/probing.png; pooled activations are
-    kept under OUT/pooled for reruns. Returns {"table", "summary", "paired"}. ``task_sets`` replaces
-    the study's suite (e.g. your own ``jsonl_task_set``)."""
-    from mxd_lens.analysis import tasks
-    from mxd_lens.layers.io import load_layers
-
-    layers = load_layers(study.layers)
-    if task_sets is None:
-        data = study.data or tasks.bundled_data()
-        task_sets = (
-            tasks.offline_suite(study.per_class, data) if study.suite == "offline" else list(tasks.SAEBENCH)
-        )
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    table, _ = run_probing(
-        model, task_sets, layers, ks=study.ks, data_root=study.data or tasks.bundled_data(), cache=out / "pooled",
-        context_size=study.context_size, batch_size=study.batch_size, seed=study.seed, progress=progress,
-        protocols=study.protocols, neurons=study.neurons,
-    )  # fmt: skip
-    labels = {name: layer_label(layer) for name, layer in layers.items()}
-    labels.update(
-        {s: f"MLP neurons ({s.split('.')[-1]})" for s in table.source.unique() if s.startswith(NEURONS + ".")}
-    )
-    table["label"] = table.source.map(labels).fillna(table.source)
-    record = {
-        "command": command,
-        "study": asdict(study),
-        "model": model.cfg.model_name,
-        "layers": {name: (layer.cfg.metadata.training or {}).get("tokens") for name, layer in layers.items()},
-        "task_sets": [{"name": s.name, "classes": s.classes, "per_class": s.per_class, "binary": s.binary,
-                       "family": s.family} for s in task_sets],
-    }  # fmt: skip
-    return write_probing_report(table, out, record)
-
-
-def write_probing_report(
-    table: pd.DataFrame, out: str | Path, record: dict[str, Any]
-) -> dict[str, pd.DataFrame]:
-    """OUT/probing.csv and .json (``record`` plus the rows), summary.csv, paired.csv and probing.png
-    from a long table with a ``label`` column ('MxD K=32', ...; the source itself for dense rows)."""
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    labels = dict(zip(table.source, table.label, strict=True))
-    import pandas as pd
-
-    layer_labels = {s: label for s, label in labels.items() if s != label and " K=" in label}
-    atomic_to_csv(table, out / "probing.csv", index=False)
-    summary = summarize(table)
-    summary.insert(0, "label", [labels.get(s, s) for s in summary.index])
-    atomic_to_csv(summary, out / "summary.csv")
-    table = _with_protocol(table)
-    for protocol in sorted(set(table.protocol) - {"saebench"}):  # the paper's k = 1 protocols, one file each
-        other = pd.concat(
-            {
-                m: summarize(table, protocol, m)[["k=1", "se k=1"]]
-                for m in ("test_accuracy", "balanced_accuracy")
-            },
-            axis=1,
-        )
-        other.columns = [f"{m} {c}" for m, c in other.columns]
-        other = other.drop(index=[s for s in other.index if s.split(".")[0] in DENSE], errors="ignore")
-        other.insert(0, "label", [labels.get(s, s) for s in other.index])
-        atomic_to_csv(other, out / f"summary_{protocol}.csv")
-        summary.attrs[protocol] = other
-    pairs = paired_comparisons(table, layer_labels)
-    atomic_to_csv(pairs, out / "paired.csv", index=False)
-    record = {**record, "rows": json.loads(table.to_json(orient="records"))}
-    atomic_write_text(out / "probing.json", json.dumps(record, indent=1))
-    plot_probing(table, layer_labels, out / "probing.png")
-    return {"table": table, "summary": summary, "paired": pairs}
-
-
-def format_probing(results: Mapping[str, pd.DataFrame]) -> str:
-    """The summary and the paired differences of a study's (or a merge's) results, as markdown text
-    (the CLI prints it; the library does not print)."""
-    parts = [results["summary"].round(3).to_markdown()]
-    for protocol, other in results["summary"].attrs.items():
-        note = " (feature selected on the test split: flatters weak features)" if protocol == "paper" else ""
-        parts.append(f"\nProtocol {protocol}, k = 1{note}:\n" + other.round(3).to_markdown())
-    if len(results["paired"]):
-        parts.append(
-            "\nPaired differences in test accuracy (same task), mean over tasks:\n"
-            + results["paired"].round(3).to_markdown(index=False)
-        )
-    return "\n".join(parts)
-
-
-def read_probing_table(folder: str | Path) -> pd.DataFrame:
-    """A study's OUT/probing.csv as written (``k`` as text: 1, 2, 5 or 'all')."""
-    import pandas as pd
-
-    path = Path(folder) / "probing.csv"
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} not found: give the folder a probing study wrote (OUT/probing)")
-    return pd.read_csv(path, dtype={"k": str})
-
-
-def merge_probing(
-    folders: Sequence[str | Path], out: str | Path, command: str | None = None
-) -> dict[str, pd.DataFrame]:
-    """One report from several probing studies of the same suite (e.g. layers at K = 32 probed in one
-    session, K = 16 and 64 in another): their tables joined and written as ``run_probing_study`` does.
-    Rows that two studies share (the dense ceiling, a layer probed twice) must agree exactly, since
-    they are the same probe on the same texts; a difference means other data, model or settings and
-    is refused, naming the first rows that differ. The studies must cover the same tasks."""
-    import pandas as pd
-
-    if len(folders) < 2:
-        raise ValueError("give at least two probing folders to merge")
-    key = ["task", "source", "k"]
-    tables = [read_probing_table(folder) for folder in folders]
-    tasks = [set(t.task) for t in tables]
-    for folder, found in zip(folders[1:], tasks[1:], strict=True):
-        if found != tasks[0]:
-            raise ValueError(
-                f"{folder} probed other tasks than {folders[0]} (only in one: "
-                f"{sorted(found ^ tasks[0])[:5]}): merge studies of the same suite"
-            )
-    joined = pd.concat(tables, keys=range(len(tables)), names=["study", None]).reset_index("study")
-    dup = joined[joined.duplicated(key, keep=False)]
-    for _, rows in dup.groupby(key):
-        if rows.test_accuracy.nunique() > 1 or rows.features.nunique() > 1:
-            first = rows.iloc[0]
-            raise ValueError(
-                f"{first.source} at k={first.k} on {first.task}: test accuracy "
-                f"{rows.test_accuracy.tolist()} in {[str(folders[i]) for i in rows.study]}; the studies "
-                "ran on other data, model or settings and cannot be merged"
-            )
-    table = joined.drop_duplicates(key).drop(columns="study").reset_index(drop=True)
-    record = {"command": command, "merged_from": [str(f) for f in folders]}
-    for folder in folders:
-        meta = Path(folder) / "probing.json"
-        if meta.is_file():
-            old = json.loads(meta.read_text())
-            record.setdefault("studies", []).append({k: v for k, v in old.items() if k != "rows"})
-    return write_probing_report(table, out, record)

@@ -29,14 +29,13 @@ import torch
 from tqdm.auto import tqdm
 
 from mxd_lens import hooks
+from mxd_lens.config import NEUTRAL_PROMPT
 
 if TYPE_CHECKING:
     import pandas as pd
     from transformer_lens import HookedTransformer
 
     from mxd_lens.layers.base import MLPReplacement
-
-from mxd_lens.config import DEFAULT_TASKS, NEUTRAL_PROMPT, SteeringStudy  # noqa: F401 (re-exported)
 
 log = logging.getLogger(__name__)
 
@@ -280,110 +279,3 @@ def plot_sweep(
     if path is not None:
         fig.savefig(path, dpi=120)
     return fig
-
-
-# -- the study (mxd-lens steer, a notebook) -----------------------------------------------------------
-def steering_targets(
-    model: HookedTransformer, study: SteeringStudy, layers: Mapping[str, MLPReplacement], store: Any
-) -> list[dict[str, Any]]:
-    """For each task and layer, the feature ranked first on the task's training split (as in sparse
-    probing), its largest activation on the task's positive training texts (the unit of alpha, each
-    text read as in probing: BOS + the first context_size - 1 tokens), and the task's concept probe as a scorer."""
-    import numpy as np
-
-    from mxd_lens.analysis import probing, tasks
-    from mxd_lens.analysis.inspect import top_activations
-
-    data = study.data or tasks.bundled_data()
-    sets = {s.name: s for s in tasks.offline_suite(study.per_class, data)}
-    known = [t for s in sets.values() for t in s.tasks]
-    unknown = [t for t in study.tasks if t not in known]
-    if unknown:
-        raise ValueError(f"unknown tasks {unknown}; offline tasks: {known}")
-    blocks = sorted({hooks.block_of(layer) for layer in layers.values()})
-    # pooled MLP inputs of every suite text (cached by sparse probing): the concept probes' negatives
-    dense_all = {
-        name: store.get(model, s.load(data), {}, blocks, study.context_size) for name, s in sets.items()
-    }
-    targets = []
-    for task in study.tasks:
-        set_name = task.split("/", 1)[0]
-        examples = sets[set_name].load(data)
-        pooled = store.get(model, examples, layers, blocks, study.context_size)
-        parts, y = probing.task_splits(examples, seed=0)[task]
-        positives = [examples.texts[i] for i in parts["train"] if y[i]]
-        concept = {}
-        for block in blocks:
-            key = f"mlp_in.L{block}"
-            negatives = [dense_all[n][key].numpy() for n in sets if n != set_name]
-            negatives.append(pooled[key].numpy()[y == 0])
-            concept[block] = concept_probe(pooled[key].numpy()[y == 1], np.concatenate(negatives))
-            log.info(
-                "%s: concept probe (vs all other suite texts) test accuracy %.3f", task, concept[block][1]
-            )
-        for name, layer in layers.items():
-            block = hooks.block_of(layer)
-            chosen = probing.probe_task(pooled[name].numpy(), y, parts, k=1)
-            feature = chosen["features"][0]
-            rows = (
-                torch.tensor([ids]) for ids in probing.tokenize_texts(model, positives, study.context_size)
-            )
-            top = top_activations(model, layer, rows, [feature], n=1, progress=False)
-            # the feature's typical activation, signed (signed codes may fire negative)
-            scale = float(top.activation.iloc[0])
-            targets.append(
-                {
-                    "task": task,
-                    "method": type(layer).label,
-                    "name": name,
-                    "feature": feature,
-                    "probe_k1_accuracy": chosen["test_accuracy"],
-                    "concept_probe_accuracy": concept[block][1],
-                    "scale": scale,
-                    "layer": layer,
-                    "scorers": [ProbeScorer(model, concept[block][0], block, name="concept")],
-                }
-            )
-            log.info("%s %s: feature %d, k=1 accuracy %.3f, max activation %.3g", task, name, feature,
-                     chosen["test_accuracy"], scale)  # fmt: skip
-    return targets
-
-
-def run_steering_study(
-    model: HookedTransformer,
-    study: SteeringStudy,
-    out: str | Path,
-    command: str | None = None,
-    progress: bool = True,
-) -> pd.DataFrame:
-    """Run ``study``: OUT/steering.csv and .json (one row per task, layer and multiple), OUT/steering.png,
-    and per layer OUT/contexts/NAME.csv|html, the top contexts of the features it steered with."""
-    import json
-    from dataclasses import asdict
-
-    from mxd_lens.analysis.inspect import write_top_contexts
-    from mxd_lens.analysis.probing import PooledCache
-    from mxd_lens.fileio import atomic_to_csv, atomic_write_text
-    from mxd_lens.layers.io import load_layers
-
-    layers = {name: layer for name, layer in load_layers(study.layers).items() if layer.cfg.k == study.k}
-    if not layers:
-        raise ValueError(f"no layer with K={study.k} under {study.layers}")
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    store = PooledCache(study.probing or out / "pooled")
-    targets = steering_targets(model, study, layers, store)
-    table = sweep(
-        model, targets, study.multiples, [PerplexityScorer(model)], prompt=study.prompt,
-        n_samples=study.samples, max_new_tokens=study.new_tokens, seed=study.seed, progress=progress,
-    )  # fmt: skip
-    atomic_to_csv(table, out / "steering.csv", index=False)
-    record = {"command": command, "study": asdict(study), "rows": json.loads(table.to_json(orient="records"))}
-    atomic_write_text(out / "steering.json", json.dumps(record, indent=1))
-    plot_sweep(table, out / "steering.png")
-    if study.context_tokens:
-        for name, layer in layers.items():
-            features = sorted({t["feature"] for t in targets if t["name"] == name})
-            write_top_contexts(model, layer, features, out / "contexts", name, tokens=study.context_tokens,
-                               context_size=study.context_size, progress=progress)  # fmt: skip
-    return table

@@ -277,47 +277,6 @@ class _State:
     n_sum: int = 0
 
 
-@dataclass
-class InductionTraining:
-    """How ``train_induction_model`` trains, as options (analyses/spd_induction_model.py)."""
-
-    steps: int = 20_000
-    """most training steps"""
-    positional: str = "after_projection"
-    """after_projection: the reference's model (position code added to q and k after W_Q/W_K, no
-    biases); shortformer: TransformerLens's (code added to the input of W_Q/W_K)"""
-    batch_size: int = 1024
-    """sequences per step"""
-    lr: float = 1e-3
-    """AdamW learning rate"""
-    seed: int = 0
-    """init and data seed"""
-    plateau: bool = True
-    """raise the lr x3 once after a 1500-step plateau (Plateau()); false: keep it fixed"""
-    target_accuracy: float | None = 0.995
-    """stop when held-out accuracy reaches this (may change when resuming; None: never, e.g. with
-    stop_window to train to the loss plateau)"""
-    stop_window: int = 0
-    """also stop when the held-out loss has not fallen by more than stop_tolerance (relative) over
-    this many steps (0: never; may change when resuming)"""
-    stop_tolerance: float = 0.01
-    """relative fall of the held-out loss that counts as progress for stop_window"""
-    eval_every: int = 100
-    """steps between held-out evaluations"""
-    eval_size: int = 4096
-    """held-out sequences"""
-    checkpoint_every: int = 500
-    """steps between checkpoints (0: none)"""
-    keep_checkpoints: int = 2
-    """checkpoints kept"""
-
-    def train(self, out_dir: str | Path, progress: bool = True) -> tuple[HookedTransformer, dict[str, Any]]:
-        """``train_induction_model`` with these settings."""
-        settings = asdict(self)
-        settings["plateau"] = DEFAULT_PLATEAU if self.plateau else None
-        return train_induction_model(out_dir, progress=progress, **settings)
-
-
 class InductionTrainer(TrainingLoop):
     """Trains the induction model (``train_induction_model`` documents the arguments) on the shared
     loop ``mxd_lens.loop.TrainingLoop``: a step is one batch's cross-entropy at the final position;
@@ -331,20 +290,20 @@ class InductionTrainer(TrainingLoop):
         self,
         out_dir: str | Path,
         steps: int,
-        batch_size: int = InductionTraining.batch_size,
-        lr: float = InductionTraining.lr,
-        seed: int = InductionTraining.seed,
+        batch_size: int = 1024,
+        lr: float = 1e-3,
+        seed: int = 0,
         plateau: Plateau | None = DEFAULT_PLATEAU,
         progress: bool = True,
         task: InductionTask | None = None,
-        eval_every: int = InductionTraining.eval_every,
-        eval_size: int = InductionTraining.eval_size,
-        target_accuracy: float | None = InductionTraining.target_accuracy,
-        checkpoint_every: int = InductionTraining.checkpoint_every,
-        keep_checkpoints: int = InductionTraining.keep_checkpoints,
-        positional: str = InductionTraining.positional,
-        stop_window: int = InductionTraining.stop_window,
-        stop_tolerance: float = InductionTraining.stop_tolerance,
+        eval_every: int = 100,
+        eval_size: int = 4096,
+        target_accuracy: float | None = 0.995,
+        checkpoint_every: int = 500,
+        keep_checkpoints: int = 2,
+        positional: str = "after_projection",
+        stop_window: int = 0,
+        stop_tolerance: float = 0.01,
     ):
         task = task or InductionTask()
         _check_positional(positional)
@@ -490,7 +449,7 @@ class InductionTrainer(TrainingLoop):
         old = {
             "positional": "shortformer",
             "stop_window": 0,
-            "stop_tolerance": InductionTraining.stop_tolerance,
+            "stop_tolerance": 0.01,
         }
         return {"config": {**old, **self.read_state(folder)["config"]}}
 
@@ -540,7 +499,7 @@ def train_induction_model(
     out_dir/model.pt and out_dir/history.json; returns (model, history). ``settings`` are
     ``InductionTrainer``'s keyword arguments (batch_size, lr, seed, plateau, progress, task,
     eval_every, eval_size, target_accuracy, checkpoint_every, keep_checkpoints; defaults as in
-    ``InductionTraining``); ``plateau=None`` keeps the lr fixed."""
+    ``InductionTrainer``; the verb ``mxd-lens spd-induction-model`` exposes them); ``plateau=None`` keeps the lr fixed."""
     return InductionTrainer(out_dir, steps, **settings).fit(resume=True)
 
 

@@ -105,8 +105,12 @@ STUDIES: dict[str, Study] = {
               model="mxd_lens.studies.eval.run:model_for_layers", where="mxd_lens.studies.common:ModelOnly"),
         Study("frontier", "train and evaluate every (block, K, seed, architecture) of a grid; tables and plots",
               "mxd_lens.studies.frontier:FrontierOptions", "mxd_lens.studies.frontier.run:run", folder=""),
+        Study("frontier-report", "summary and plots of a frontier study from its OUT/frontier.json",
+              "mxd_lens.studies.frontier:ReportOptions", "mxd_lens.studies.frontier.run:report", model=None,
+              folder="", where="mxd_lens.studies.common:Output"),
         Study("demo", "the main job: MxD vs TopK transcoder on the default model and text, end to end",
-              "mxd_lens.studies.demo:DemoOptions", "mxd_lens.studies.demo.run:run", folder=""),
+              "mxd_lens.studies.demo:DemoOptions", "mxd_lens.studies.demo.run:run", folder="",
+              where="mxd_lens.studies.common:DemoWhere"),
         Study("probe", "sparse probing of saved layers", "mxd_lens.studies.probe:ProbeOptions",
               "mxd_lens.studies.probe.run:run", folder="probing"),
         Study("probe-merge", "one probing report from several probing studies of the same suite",
@@ -115,10 +119,16 @@ STUDIES: dict[str, Study] = {
               "mxd_lens.studies.steer.run:run", folder="steering"),
         Study("inspect", "top-activating contexts of chosen features", "mxd_lens.studies.inspect:InspectOptions",
               "mxd_lens.studies.inspect.run:run"),
+        Study("attribute", "attribute one prediction to the units of spliced layers; a report with its graph",
+              "mxd_lens.studies.attribution:AttributeOptions", "mxd_lens.studies.attribution.run:attribute_one",
+              folder=""),
         Study("attribution", "attribute logit differences through spliced layers over a set of prompts",
               "mxd_lens.studies.attribution:AttributionOptions", "mxd_lens.studies.attribution.run:run", folder=""),
         Study("spd-induction", "SPD of the toy induction model: train, time or report one variant",
               "mxd_lens.studies.spd_induction:SPDInductionOptions", "mxd_lens.studies.spd_induction.run:run",
+              model=None, folder="", where="mxd_lens.studies.common:Output"),
+        Study("spd-induction-model", "train the toy induction-head model that spd-induction decomposes",
+              "mxd_lens.studies.spd_induction:InductionModelOptions", "mxd_lens.studies.spd_induction.run:train_model",
               model=None, folder="", where="mxd_lens.studies.common:Output"),
         Study("spd-ablation", "SPD of one weight of a real model, scored and ablated on labelled text",
               "mxd_lens.studies.spd_ablation:SPDAblationOptions", "mxd_lens.studies.spd_ablation.run:run",
@@ -137,7 +147,9 @@ def register_study(study: Study, replace: bool = False) -> Study:
     if not study.name or study.name.startswith("-") or " " in study.name:
         raise ValueError(f"study name {study.name!r}: give a word usable as a verb, e.g. 'my-study'")
     if study.name in STUDIES and not replace and STUDIES[study.name] != study:
-        raise ValueError(f"a study named {study.name!r} is already registered; register_study(..., replace=True)")
+        raise ValueError(
+            f"a study named {study.name!r} is already registered; register_study(..., replace=True)"
+        )
     STUDIES[study.name] = study
     return study
 
@@ -157,9 +169,13 @@ def load_plugins() -> list[str]:
         try:
             study = point.load()
         except Exception as err:
-            raise RuntimeError(f"the {PLUGIN_GROUP} plug-in {point.name!r} ({point.value}) failed to load: {err}") from err
+            raise RuntimeError(
+                f"the {PLUGIN_GROUP} plug-in {point.name!r} ({point.value}) failed to load: {err}"
+            ) from err
         if not isinstance(study, Study):
-            raise RuntimeError(f"the {PLUGIN_GROUP} plug-in {point.name!r} ({point.value}) is not a mxd_lens.studies.Study")
+            raise RuntimeError(
+                f"the {PLUGIN_GROUP} plug-in {point.name!r} ({point.value}) is not a mxd_lens.studies.Study"
+            )
         register_study(study)
         loaded.append(study.name)
     return loaded

@@ -23,6 +23,20 @@ class Where:
 
 
 @dataclass
+class DemoWhere:
+    """The model and where to write."""
+
+    model: str | None = None
+    """model name or path (default: smollm2-135m)"""
+    tl_name: str | None = None
+    """for a .gguf file or folder: the TransformerLens official name whose architecture to build with"""
+    out: str | None = None
+    """output folder (default results/demo; results/demo-quick with --quick)"""
+    threads: int = 0
+    """torch CPU threads (0: torch's default, every core); on a shared machine, fewer"""
+
+
+@dataclass
 class Output:
     """Where to write (for studies that build their own model)."""
 
@@ -49,4 +63,4 @@ def host_model(where: Where, options: Any) -> Any:
     """The HookedTransformer ``--model`` names (the default model when it names none)."""
     from mxd_lens.models import load_model
 
-    return load_model(where.model or getattr(options, "model", None) or DEFAULT_MODEL, tl_name=where.tl_name)
+    return load_model(where.model or DEFAULT_MODEL, tl_name=where.tl_name)

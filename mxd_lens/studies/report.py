@@ -25,6 +25,8 @@ class Column:
     name: str
     label: str | None = None
     format: str = "{}"
+    se: str | None = None
+    """a standard-error column shown beside the value, as ``value ± se``"""
 
     def render(self, value: Any) -> str:
         if value is None or (isinstance(value, float) and value != value):
@@ -70,36 +72,38 @@ COLUMNS: dict[str, Column] = {
 }
 
 
-def columns(*names: str, **labels: str) -> tuple[Column, ...]:
+def columns(*names: str, se: Sequence[str] = (), **labels: str) -> tuple[Column, ...]:
     """The specs of ``names`` from :data:`COLUMNS` (a name not there is shown as it is), with headers
-    replaced where ``labels`` gives one."""
+    replaced where ``labels`` gives one; the columns named in ``se`` are shown with their standard error
+    (column ``NAME_se``) as ``value ± se``."""
     out = []
     for name in names:
         spec = COLUMNS.get(name, Column(name))
-        out.append(Column(name, labels.get(name, spec.label), spec.format))
+        label = labels.get(name, spec.label)
+        if name in se:
+            out.append(Column(name, f"{label} ± se", spec.format, se=f"{name}_se"))
+        else:
+            out.append(Column(name, label, spec.format))
     return tuple(out)
 
 
-def render_table(table: Any, specs: Sequence[Column] | None = None, joined: dict[str, str] | None = None) -> str:
+def render_table(table: Any, specs: Sequence[Column] | None = None) -> str:
     """``table`` as markdown: the columns of ``specs`` that it has, each formatted by its spec and headed
-    by its label (every column as it is when ``specs`` is None). ``joined`` maps a column to its
-    standard-error column, shown as ``value ± se``."""
+    by its label (every column as it is when ``specs`` is None)."""
     import pandas as pd
 
     if table is None or len(table) == 0:
         return ""
     if specs is None:
         return table.to_markdown(index=False, floatfmt=".4f")
-    joined = joined or {}
     shown = {}
     for spec in specs:
         if spec.name not in table:
             continue
         values = [spec.render(v) for v in table[spec.name]]
-        se = joined.get(spec.name)
-        if se and se in table:
-            fmt = COLUMNS.get(se, Column(se, format="{:.4f}"))
-            values = [f"{v} ± {fmt.render(s)}" for v, s in zip(values, table[se], strict=True)]
+        if spec.se and spec.se in table:
+            fmt = COLUMNS.get(spec.se, Column(spec.se, format="{:.4f}"))
+            values = [f"{v} ± {fmt.render(s)}" for v, s in zip(values, table[spec.se], strict=True)]
         shown[spec.label or spec.name] = values
     frame = pd.DataFrame(shown)
     align = ["left"] + ["right"] * (len(frame.columns) - 1)

@@ -34,3 +34,26 @@ class AttributionOptions:
     """units counted as the top ones"""
     error_term: bool = True
     """splice with the error term (the model is then exactly the clean one)"""
+
+
+@dataclass
+class AttributeOptions:
+    """Which experts (MxD) or latents (transcoders) carry a prediction: attribution of a logit (difference)
+    on one prompt to the units of saved layers spliced into the model, in the model linearised at the
+    prompt (mxd_lens.attribution). Prints the top units, the other sources and the completeness check;
+    writes --out/{units.csv, parts.csv, graph.png, report.html}."""
+
+    layers: list[str] = field(default_factory=list)
+    """saved layer folders to splice (one per block), or folders holding them"""
+    prompt: str = "The capital of France is"
+    """the prompt (BOS prepended as the model does)"""
+    target: str = " Paris"
+    """the token whose logit at the last position is attributed (one token)"""
+    minus: str | None = None
+    """attribute the logit difference target - minus"""
+    error_term: bool = True
+    """splice with the error term (the model is then exactly the clean one)"""
+    top: int = 10
+    """units to list"""
+    context_tokens: int = 16_384
+    """tokens of the bundled English text searched for the top units' contexts in the report (0: none)"""

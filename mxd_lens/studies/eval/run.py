@@ -38,8 +38,10 @@ def eval_result(rows: list[dict[str, Any]], recorded: bool) -> StudyResult:
     if "ce_zero_ablation" in table:
         table["zero_ablation_cost"] = table["ce_zero_ablation"] - table["ce_clean"]
     tokens = int(table["tokens"].iloc[0])
-    text = NOTE + ("\n\nrecorded in each layer's cfg.json (metadata.evaluations) and eval.json" if recorded else "")
-    return StudyResult(name="eval", table=table, columns=columns(*SHOWN, dead_fraction=f"silent on {tokens:,} tokens"),
+    text = NOTE + (
+        "\n\nrecorded in each layer's cfg.json (metadata.evaluations) and eval.json" if recorded else ""
+    )
+    return StudyResult(name="eval", table=table, columns=columns(*SHOWN, se=("delta_ce", "kl"), dead_fraction=f"silent on {tokens:,} tokens"),
                        text=text, value=rows)  # fmt: skip
 
 

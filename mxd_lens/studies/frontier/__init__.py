@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from mxd_lens.config import WIDTH_MULTIPLIER, StreamConfig, TrainConfig, optional_float
 
@@ -120,3 +120,33 @@ class FrontierConfig:
             checkpoint_every=max(50, self.steps // 20),
             log_every=max(1, self.steps // 50),
         )
+
+
+@dataclass
+class FrontierOptions(FrontierConfig):
+    """The sparsity–accuracy frontier on a real model: parameter-matched MxD, TopK transcoder and skip
+    transcoder at several (block, K, seed), from one cached activation stream, spliced on held-out text.
+    Writes OUT/frontier.json (config, command, results), OUT/frontier.csv and OUT/frontier.png; the cache
+    and the trained weights (runs/*/final) stay under OUT for later studies (probing, steering). Rerun the
+    same command to resume."""
+
+    cache_only: bool = False
+    """write (or check) the activation cache, then stop"""
+    progress: bool = True
+    """progress bars; off: text log lines (for logs of background runs)"""
+
+    def config(self) -> FrontierConfig:
+        """The study's settings without the verb's own (what frontier.json records and resumes by)."""
+        names = [f.name for f in fields(FrontierConfig)]
+        return FrontierConfig(**{name: getattr(self, name) for name in names})
+
+
+@dataclass
+class ReportOptions:
+    """Redraw a frontier study's plots and write OUT/summary.md from OUT/frontier.json (nothing is
+    trained): the mean over seeds per (block, K, method) with each method's ΔCE and KL over the TopK
+    transcoder's, and, where the rows have them, the units' usage and the out-of-domain metrics, plotted
+    against K and against the L0 each layer measured."""
+
+    override: list[str] = field(default_factory=list)
+    """other studies' folders whose rows replace OUT's at the same (block, K, method, seed)"""

@@ -1,5 +1,5 @@
-"""The sparsity–accuracy frontier: parameter-matched MxD, TopK transcoder and skip transcoder at several
-K, trained from one cached activation stream and spliced into the model on held-out text.
+"""The frontier study: parameter-matched MxD, TopK transcoder and skip transcoder at several K,
+trained from one cached activation stream and spliced into the model on held-out text.
 
 ``run_frontier`` does it all and writes, under ``out``: ``cache/`` (activations, reusable; or the
 folder ``cache``), ``runs/`` (checkpoints and SAELens-format weights; ``runs-seed{S}/`` for other
@@ -31,10 +31,11 @@ import torch
 
 from mxd_lens import data
 from mxd_lens.activations import MANIFEST, CachedActivations, ModelActivations, StreamConfig, write_cache
-from mxd_lens.config import FrontierConfig  # noqa: F401 (re-exported)
 from mxd_lens.evaluation import check_disjoint, evaluate, held_out_batches
-from mxd_lens.fileio import atomic_to_csv, atomic_write_text
+from mxd_lens.fileio import atomic_write_text
 from mxd_lens.layers import arch_label
+from mxd_lens.studies import StudyResult
+from mxd_lens.studies.frontier import FrontierConfig, FrontierOptions, ReportOptions
 from mxd_lens.training import LearnerSpec, Trainer
 
 log = logging.getLogger(__name__)
@@ -170,19 +171,46 @@ _IDENTITY = ("name", "architecture", "block", "k", "d_sae", "params")  # not met
 
 
 def write_results(rows: list[dict[str, Any]], config: FrontierConfig, out: Path) -> None:
-    """frontier.json (command, config, the trainer's settings, rows), frontier.csv, frontier.png."""
+    """frontier.json (command, config, the trainer's settings, rows), frontier.csv, frontier.png (after
+    each group, so a long study's results so far are on disk)."""
+    from mxd_lens.studies.report import write_result
+
+    write_result(frontier_result(rows, config), out)
+
+
+def frontier_result(rows: list[dict[str, Any]], config: FrontierConfig) -> StudyResult:
+    """The study's rows as a result: frontier.csv, frontier.json, frontier.png; the printed table."""
     import pandas as pd
 
+    from mxd_lens.studies.report import columns
+
     record = {
-        "command": " ".join(shlex.quote(a) for a in sys.argv),
+        "command": shlex.join(sys.argv),
         "config": asdict(config),
         "train_config": asdict(config.train_config(config.seed)),
         "results": rows,
     }
-    atomic_write_text(out / "frontier.json", json.dumps(record, indent=2))
     table = pd.DataFrame(rows)
-    atomic_to_csv(table, out / "frontier.csv", index=False)
-    plot_frontier(table, out / "frontier.png")
+    return StudyResult(
+        name="frontier",
+        table=table,
+        record=record,
+        figures={"frontier.png": plot_frontier(table)},
+        columns=columns(
+            "label",
+            "block",
+            "k",
+            "seed",
+            "params",
+            "delta_ce",
+            "kl",
+            "fvu",
+            "l0",
+            "dead_fraction",
+            "ce_recovered_zero",
+        ),  # fmt: skip
+        value=rows,
+    )
 
 
 def load_results(path: str | Path, overrides: Sequence[str | Path] = ()) -> Any:
@@ -209,7 +237,7 @@ def _read_results(path: Path) -> Any:
     if path.is_dir():
         path = path / "frontier.json"
     if not path.is_file():
-        raise FileNotFoundError(f"no frontier results at {path}: run analyses/frontier.py first")
+        raise FileNotFoundError(f"no frontier results at {path}: run mxd-lens frontier first")
     record = json.loads(path.read_text())
     table = pd.DataFrame(record["results"])
     if "block" not in table and "layer" in table:
@@ -396,3 +424,34 @@ def plot_frontier(table: Any, path: Path | None = None, x: str = "k", prefix: st
     if path is not None:
         fig.savefig(path, dpi=120)
     return fig
+
+
+def run(model: Any, options: FrontierOptions, out: Path, progress: bool | None = None) -> StudyResult:
+    """The verb ``mxd-lens frontier``: the study (or, with ``cache_only``, only its activation cache)."""
+    config = options.config()
+    progress = options.progress if progress is None else progress
+    if options.cache_only:
+        cache, _, n_shards = write_frontier_cache(model, config, out, progress)
+        return StudyResult(name="frontier", text=f"cache: {cache} ({n_shards} shards)")
+    rows = run_frontier(model, config, out, progress=progress)
+    result = frontier_result(rows, config)
+    result.text = f"results in {out}/frontier.json|csv|png"
+    return result
+
+
+def report(model: Any, options: ReportOptions, out: Path) -> StudyResult:
+    """The verb ``mxd-lens frontier-report``: summary.md and the plots (against K, and against measured
+    L0 in and out of domain where the rows have the usage diagnostics) from OUT/frontier.json, with the
+    rows of ``options.override`` studies in place of OUT's at the same (block, K, method, seed)."""
+    table = load_results(out, options.override)
+    summary = summarize(table)
+    text = summary_markdown(summary)
+    figures = {"frontier.png": plot_frontier(table)}
+    usage = usage_markdown(summary)
+    if usage:  # studies with the usage diagnostics and an out-of-domain text
+        text += "\n\nHow the units are used, and the out-of-domain text:\n\n" + usage
+        figures["frontier-l0.png"] = plot_frontier(table, x="l0")
+        figures["frontier-l0-ood.png"] = plot_frontier(table, x="l0", prefix="ood_")
+    return StudyResult(
+        name="summary", figures=figures, pages={"summary.md": text + "\n"}, text=text, value=summary
+    )

@@ -23,7 +23,9 @@ def run(model: Any, options: InspectOptions, out: Path | None, progress: bool = 
         chosen = pd.read_csv(options.from_steering)
         features += sorted(set(chosen[chosen["name"] == name]["feature"].astype(int)) - set(features))
     if not features:
-        raise ValueError("no features: give --features, or --from-steering with a steering.csv that used this layer")
+        raise ValueError(
+            "no features: give --features, or --from-steering with a steering.csv that used this layer"
+        )
     table = top_contexts(model, layer, features, options.text, options.tokens, options.context_size, options.n,
                          progress)  # fmt: skip
     return StudyResult(

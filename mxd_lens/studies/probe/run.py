@@ -28,13 +28,18 @@ def run(model: Any, options: ProbeOptions, out: Path, task_sets: Sequence[Any] |
     """Probe ``options.layers`` on the suite (``task_sets`` replaces it, e.g. your own
     ``jsonl_task_set``); pooled activations are cached under ``out/pooled``."""
     from mxd_lens.analysis import tasks
-    from mxd_lens.analysis.probing import NEURONS, layer_label, run_probing
+    from mxd_lens.analysis.probing import NEURONS, layer_method, run_probing
+    from mxd_lens.layers import arch_label
     from mxd_lens.layers.io import load_layers
 
     layers = load_layers(options.layers)
     data = options.data or tasks.bundled_data()
     if task_sets is None:
-        task_sets = tasks.offline_suite(options.per_class, data) if options.suite == "offline" else list(tasks.SAEBENCH)
+        task_sets = (
+            tasks.offline_suite(options.per_class, data)
+            if options.suite == "offline"
+            else list(tasks.SAEBENCH)
+        )
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     table, _ = run_probing(
@@ -42,11 +47,14 @@ def run(model: Any, options: ProbeOptions, out: Path, task_sets: Sequence[Any] |
         context_size=options.context_size, batch_size=options.batch_size, seed=options.seed, progress=progress,
         protocols=options.protocols, neurons=options.neurons,
     )  # fmt: skip
-    labels = {name: layer_label(layer) for name, layer in layers.items()}
+    methods = {name: layer_method(layer) for name, layer in layers.items()}
+    table["method"] = table.source.map(methods)
+    table["K"] = table.source.map({name: layer.cfg.k for name, layer in layers.items()})
+    labels = {name: f"{arch_label(methods[name])} K={layer.cfg.k}" for name, layer in layers.items()}
     labels.update(
         {s: f"MLP neurons ({s.split('.')[-1]})" for s in table.source.unique() if s.startswith(NEURONS + ".")}
     )
-    table["label"] = table.source.map(labels).fillna(table.source)
+    table["label"] = table.source.map(labels).fillna(table.source)  # for people reading the CSV
     record = {
         "study": asdict(options),
         "model": model.cfg.model_name,
@@ -98,14 +106,21 @@ def merge(model: Any, options: MergeOptions, out: Path) -> StudyResult:
 
 
 def probing_result(table: Any, record: dict[str, Any]) -> StudyResult:
-    """The probing report from a long table with a ``label`` column ('MxD K=32', ...; the source itself
-    for the dense rows): the summaries, the paired differences and the plot."""
+    """The probing report from a long table (the layers' rows with their architecture key and K, a
+    ``label`` for people): the summaries, the paired differences and the plot."""
     import pandas as pd
 
-    from mxd_lens.analysis.probing import DENSE, _with_protocol, paired_comparisons, plot_probing, summarize
+    from mxd_lens.analysis.probing import (
+        DENSE,
+        _with_protocol,
+        layer_sources,
+        paired_comparisons,
+        plot_probing,
+        summarize,
+    )
 
     labels = dict(zip(table.source, table.label, strict=True))
-    layer_labels = {s: label for s, label in labels.items() if s != label and " K=" in label}
+    layers = layer_sources(table)
     written = table
     summary = summarize(table)
     summary.insert(0, "label", [labels.get(s, s) for s in summary.index])
@@ -113,7 +128,10 @@ def probing_result(table: Any, record: dict[str, Any]) -> StudyResult:
     table = _with_protocol(table)
     for protocol in sorted(set(table.protocol) - {"saebench"}):  # the paper's k = 1 protocols, one file each
         other = pd.concat(
-            {m: summarize(table, protocol, m)[["k=1", "se k=1"]] for m in ("test_accuracy", "balanced_accuracy")},
+            {
+                m: summarize(table, protocol, m)[["k=1", "se k=1"]]
+                for m in ("test_accuracy", "balanced_accuracy")
+            },
             axis=1,
         )
         other.columns = [f"{m} {c}" for m, c in other.columns]
@@ -121,7 +139,7 @@ def probing_result(table: Any, record: dict[str, Any]) -> StudyResult:
         other.insert(0, "label", [labels.get(s, s) for s in other.index])
         tables[f"summary_{protocol}.csv"] = other
         summary.attrs[protocol] = other
-    pairs = paired_comparisons(table, layer_labels)
+    pairs = paired_comparisons(table, layers)
     tables["paired.csv"] = pairs
     record = {**record, "rows": json.loads(table.to_json(orient="records"))}
     return StudyResult(
@@ -129,7 +147,7 @@ def probing_result(table: Any, record: dict[str, Any]) -> StudyResult:
         table=written,
         record=record,
         tables=tables,
-        figures={"probing.png": plot_probing(table, layer_labels)},
+        figures={"probing.png": plot_probing(table, layers)},
         text=format_probing(summary, pairs),
         value={"table": table, "summary": summary, "paired": pairs},
     )

@@ -1,7 +1,7 @@
 """SPD component ablation on a real model (the offline default, SmolLM2-135M-Instruct): decompose one
 late weight matrix, find the component most specific to a concept, ablate it, and compare the damage
 on held-out concept text (target) with the damage elsewhere (collateral) and with norm-matched random
-components. ``run_real_model_study(model, RealModelStudy(...), out)``; analyses/spd_ablation.py is its
+components. ``run_real_model_study(model, SPDAblationOptions(...), out)``; mxd-lens spd-ablation is its
 command line.
 
 Steps (each cached under OUT, so a killed run resumes):
@@ -30,10 +30,10 @@ import logging
 import lzma
 import random
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from itertools import islice
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import pandas as pd
 import torch
@@ -48,6 +48,8 @@ from mxd_lens.spd.ablation import (
     concept_scores,
 )
 from mxd_lens.spd.train import SPDConfig, SPDTrainer
+from mxd_lens.studies import StudyResult
+from mxd_lens.studies.spd_ablation import CONCEPTS, SPDAblationOptions
 
 log = logging.getLogger(__name__)
 
@@ -60,12 +62,6 @@ CORPUS = [
     "fortunes_en",
     "gcide_webster1913_dictionary",
 ]
-# concept -> (labelled file, label); the controls are the other labels of the same file
-CONCEPTS = {
-    "french": ("language_id", "fr"),
-    "python": ("code_language", "python"),
-    "sport": ("topic_bbc_news", "sports"),
-}
 LABELLED_EVAL_FRACTION = 0.25  # labelled texts: hash < 0.25 is eval, the rest train (split_texts)
 
 
@@ -126,70 +122,8 @@ def pairs(resid: torch.Tensor, tokens: torch.Tensor, batch: int) -> list[tuple[t
     return [(resid[i : i + batch], tokens[i : i + batch]) for i in range(0, len(tokens), batch)]
 
 
-@dataclass
-class RealModelStudy:
-    """Decompose one weight of a real model with SPD and ablate its most concept-specific component."""
-
-    data: str | None = None
-    """a folder with corpus/*.txt.xz and probing/*.jsonl.xz named as CORPUS and CONCEPTS name them (required)"""
-    block: int = field(default=27, metadata={"alias": ["--layer"]})
-    """transformer block whose weight is decomposed (--layer: its old name)"""
-    weight: str = "mlp.W_out"
-    """weight of that block"""
-    context_size: int = 64
-    """tokens per row, BOS included"""
-    train_rows: int = 800
-    """rows cached for SPD training"""
-    C: int = 576
-    """components (576 = the weight's rank)"""
-    init: Literal["svd", "random"] = "svd"
-    """component init"""
-    steps: int = 400
-    """SPD steps"""
-    batch_size: int = 8
-    """rows per SPD step"""
-    lr: float = 1e-3
-    """AdamW learning rate (warm-up, then cosine)"""
-    ci: Literal["sequence", "token"] = "sequence"
-    """causal-importance function"""
-    ci_hidden: int = 8
-    """its hidden width"""
-    faithfulness: float = 1e4
-    """faithfulness coefficient"""
-    minimality: float = 1e-3
-    """importance-minimality coefficient"""
-    p_end: float = 1.0
-    """minimality's p at the last step (from 2)"""
-    score_rows: int = 48
-    """rows per side for concept scoring"""
-    eval_rows: int = 48
-    """rows per held-out set"""
-    n_random: int = 5
-    """norm-matched random components (the baseline)"""
-    concepts: list[str] = field(default_factory=lambda: list(CONCEPTS))
-    """concepts to score and ablate (french, python, sport)"""
-    train_only: bool = False
-    """stop after training (pilots)"""
-    redo: bool = False
-    """recompute scores and ablations even if saved"""
-    cache: str | None = None
-    """residual cache folder (default OUT/cache)"""
-    seed: int = 0
-    """seed of the row order, masks and random components"""
-
-    def __post_init__(self) -> None:
-        if not self.data:
-            raise ValueError(
-                "give data: a folder with corpus/ (the CORPUS files) and probing/ (the CONCEPTS files) of "
-                "mxd_lens.spd.real_model"
-            )
-        unknown = [c for c in self.concepts if c not in CONCEPTS]
-        if unknown:
-            raise ValueError(f"concepts {unknown} unknown; choose from {list(CONCEPTS)}")
-
-
 def run_real_model_study(
-    model: Any, study: RealModelStudy, out: str | Path, command: str | None = None
+    model: Any, study: SPDAblationOptions, out: str | Path, command: str | None = None
 ) -> dict[str, Any]:
     """The whole study (see the module docstring); each step's result is kept under ``out`` and reused
     unless ``study.redo``. Returns {"decomposition", "scores", "ablation", "by_ci"} as written."""
@@ -691,3 +625,15 @@ def results_markdown(report: dict, scores: dict, final: dict, by_ci: dict, comma
         )
     lines.append("")
     return "\n".join(lines)
+
+
+def run(model: Any, options: SPDAblationOptions, out: Path) -> StudyResult:
+    """The verb ``mxd-lens spd-ablation``."""
+    import shlex
+    import sys
+
+    run_real_model_study(model, options, out, command=shlex.join(["mxd-lens", *sys.argv[1:]]))
+    return StudyResult(
+        name="spd-ablation",
+        text=f"wrote {out}/decomposition.json, scores.json, ablation.json, by_ci.json, ablation.png, RESULTS.md",
+    )

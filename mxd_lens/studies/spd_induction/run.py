@@ -1,6 +1,6 @@
 """SPD of the toy induction model's 8 attention projections (Q, K, V, O x 2 layers): CI function
 {token, sequence} x {stochastic + subset reconstruction, stochastic only}, under two recipes
-(analyses/spd_induction.py is the command line).
+(mxd-lens spd-induction is the command line).
 
 - **first recipe** (variants token-subset, token-stoch, sequence-subset, sequence-stoch): C = 32, CI
   hidden 16, AdamW lr 1e-3 constant, faithfulness 1e5 with the delta component, stochastic recon 1,
@@ -27,9 +27,9 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
@@ -38,6 +38,8 @@ from mxd_lens.spd.induction import InductionTask, load_induction_model
 from mxd_lens.spd.report import comparison_table, module_table, plot_ci_by_position, study_report
 from mxd_lens.spd.sites import decomposable_weights
 from mxd_lens.spd.train import SPDConfig, SPDTrainer
+from mxd_lens.studies import StudyResult
+from mxd_lens.studies.spd_induction import DEFAULT_MINIMALITY, SPDInductionOptions
 
 log = logging.getLogger(__name__)
 
@@ -88,9 +90,6 @@ def choose_model(root: Path) -> Path:
     if (long / "model.pt").is_file() and steps > 800:
         return long / "model.pt"
     return root / "model" / "model.pt"
-
-
-DEFAULT_MINIMALITY = 1e-2
 
 
 def run_name(variant: str, minimality: float, C: int | None = None, ci_hidden: int | None = None) -> str:
@@ -155,44 +154,7 @@ def build_trainer(
     return model, trainer
 
 
-@dataclass
-class InductionSPDStudy:
-    """One SPD run of the toy induction model's attention projections."""
-
-    variant: Literal[
-        "token-subset", "token-stoch", "sequence-subset", "sequence-stoch",
-        "ref-token-subset", "ref-token-stoch", "ref-sequence-subset", "ref-sequence-stoch",
-    ] = "sequence-subset"  # fmt: skip
-    """CI function x reconstruction terms (ref-: the reference recipe, see the module docstring)"""
-    model: str | None = None
-    """model.pt (default: model-long if trained further, else model, under the results root)"""
-    steps: int = 6000
-    """total SPD steps (sets the p schedule)"""
-    batch_size: int = 16
-    """sequences per step"""
-    minimality: float = DEFAULT_MINIMALITY
-    """minimality coefficient"""
-    C: int | None = None
-    """components per module (default: the recipe's, 32 or 100)"""
-    ci_hidden: int | None = None
-    """CI hidden width (default: the recipe's, 16 or 128)"""
-    device: str = "cpu"
-    """where to train (e.g. cuda); a run resumes on the kind of device it started on (the mask
-    generator's state is per device type; another is refused)"""
-    trend_every: int = 0
-    """train in chunks of this many steps and after each record CI-L0 per module and position on a
-    128-sequence batch in OUT/NAME/trend.jsonl (+ trend.png); 0: no trend"""
-
-    @property
-    def name(self) -> str:
-        return run_name(self.variant, self.minimality, self.C, self.ci_hidden)
-
-    def config(self, steps: int | None = None) -> SPDConfig:
-        steps = self.steps if steps is None else steps
-        return make_config(self.variant, steps, self.batch_size, self.minimality, self.C, self.ci_hidden)
-
-
-def train_variant(study: InductionSPDStudy, root: str | Path, progress: bool = True) -> dict[str, Any]:
+def train_variant(study: SPDInductionOptions, root: str | Path, progress: bool = True) -> dict[str, Any]:
     """Train (or resume) ``study`` under ROOT/NAME; appends this run's wall/CPU time to train_log.jsonl
     and returns that record."""
     root = Path(root)
@@ -234,7 +196,7 @@ def train_variant(study: InductionSPDStudy, root: str | Path, progress: bool = T
 TREND_SEED, TREND_SIZE = 5_555_555, 128
 
 
-def _train_with_trend(trainer: SPDTrainer, study: InductionSPDStudy, out: Path) -> None:
+def _train_with_trend(trainer: SPDTrainer, study: SPDInductionOptions, out: Path) -> None:
     """Train to each multiple of ``trend_every`` (the schedules still span ``config.steps``; every chunk
     ends on a checkpoint, so this is the same run as one ``fit``), appending a ``trend_point`` after each."""
     from mxd_lens.spd.report import plot_trend, trend_point
@@ -255,7 +217,7 @@ def _train_with_trend(trainer: SPDTrainer, study: InductionSPDStudy, out: Path) 
         trainer.fit(resume=True)
 
 
-def time_variant(study: InductionSPDStudy, root: str | Path, steps: int) -> float:
+def time_variant(study: SPDInductionOptions, root: str | Path, steps: int) -> float:
     """Seconds per step over ``steps`` steps after 5 warm-up steps, in a scratch folder (nothing kept)."""
     import tempfile
 
@@ -275,7 +237,7 @@ def time_variant(study: InductionSPDStudy, root: str | Path, steps: int) -> floa
         return (time.perf_counter() - started) / steps
 
 
-def report_variant(study: InductionSPDStudy, root: str | Path) -> dict[str, Any]:
+def report_variant(study: SPDInductionOptions, root: str | Path) -> dict[str, Any]:
     """ROOT/NAME/report.json (``study_report`` on the evaluation batch, plus the training record) and
     ci_by_position.png; returns the report."""
     out = Path(root) / study.name
@@ -352,3 +314,51 @@ def summarize_variants(root: str | Path) -> str:
     sections = [f"### {variant}\n\n{module_table(rep)}\n" for variant, rep in reports.items()]
     atomic_write_text(root / "modules.md", "\n".join(sections))
     return table
+
+
+def run(model: Any, options: SPDInductionOptions, out: Path) -> StudyResult:
+    """The verb ``mxd-lens spd-induction ACTION``: time, train (resumes), report one variant, or
+    summarise every variant found under ``out``."""
+    if options.action == "time":
+        rate = time_variant(options, out, options.steps)
+        text = json.dumps({"variant": options.variant, "batch_size": options.batch_size, "s_per_step": rate})
+    elif options.action == "train":
+        text = json.dumps(train_variant(options, out, progress=False))
+    elif options.action == "report":
+        report = report_variant(options, out)
+        text = json.dumps({k: v for k, v in report.items() if k not in ("modules", "training")}, indent=1)
+        text += f"\nwrote {out}/{options.name}/report.json and ci_by_position.png"
+    else:
+        text = summarize_variants(out) + f"\nwrote {out}/summary.json, comparison.md, modules.md"
+    return StudyResult(name="spd-induction", text=text)
+
+
+def train_model(model: Any, options: Any, out: Path) -> StudyResult:
+    """The verb ``mxd-lens spd-induction-model``: train the toy induction-head model that SPD decomposes
+    (``options``: a ``mxd_lens.studies.spd_induction.InductionModelOptions``), resuming from OUT's latest checkpoint;
+    OUT/model.pt, history.json, checkpoints/, curves.png and final_stats.json: the held-out accuracy and
+    the attention of the expected circuit (layer-1 head at the final S onto M, layer-0 head at M onto the
+    planted S) on a fresh batch, neither the training stream nor the early-stopping batch."""
+    from mxd_lens.spd.induction import (
+        EVAL_SEED_OFFSET,
+        accuracy,
+        attention_to_memorised_token,
+        plot_training_curves,
+    )
+
+    toy, history = options.train(out)
+    batch = InductionTask().sample_batch(
+        4096, torch.Generator().manual_seed(options.seed + 2 * EVAL_SEED_OFFSET)
+    )
+    stats = {
+        "steps": history["records"][-1]["step"] if history["records"] else 0,
+        "accuracy": accuracy(toy, batch.tokens, batch.labels),
+        **attention_to_memorised_token(toy, batch.tokens, batch.s1),
+        "events": history["events"],
+    }
+    atomic_write_text(out / "final_stats.json", json.dumps(stats, indent=1))
+    return StudyResult(
+        name="final_stats",
+        figures={"curves.png": plot_training_curves(history)},
+        text=json.dumps(stats, indent=1) + f"\nwrote {out}/model.pt, history.json, final_stats.json",
+    )

@@ -1,0 +1,38 @@
+"""The demo's options: a preset of the frontier study at one block and K (``run.py``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from mxd_lens.config import WIDTH_MULTIPLIER, StreamConfig
+
+
+@dataclass
+class DemoOptions:
+    """The main job: on the default model and text, cache one mid block's MLP activations, train a
+    parameter-matched MxD (plain TopK gate) and TopK transcoder at the same K from that one stream, splice
+    both into the model on held-out text and on text none of them trained on, print the comparison and
+    save the plot and the weights (OUT/demo; OUT/demo-quick with --quick). A preset of the frontier study."""
+
+    quick: bool = False
+    """a smoke run of about a minute (few tokens)"""
+    text: str | None = None
+    """text source (default: the bundled English text)"""
+    ood_text: str | None = None
+    """out-of-domain text, every document held out (default: the bundled Debian fortunes; 'none': skip)"""
+    block: int = field(default=15, metadata={"alias": ["--layer"]})
+    """transformer block whose MLP to replace (--layer: its old name)"""
+    k: int = 32
+    """active experts / latents per token"""
+    width_multiplier: int = WIDTH_MULTIPLIER
+    """transcoder width m x d_model; MxD matched"""
+    train_tokens: int | None = None
+    """training tokens (default 262,144; 8,192 with --quick)"""
+    epochs: float = 2.0
+    """passes over the training tokens"""
+    eval_tokens: int | None = None
+    """held-out tokens (default 12,800; 1,024 with --quick)"""
+    context_size: int = StreamConfig.context_size
+    """tokens per row"""
+    batch_tokens: int | None = None
+    """tokens per training step (default 512; 256 with --quick)"""

@@ -1,0 +1,97 @@
+"""The demo: on the default model and text, one block's MLP replaced by a parameter-matched MxD (plain
+TopK gate) and a TopK transcoder at the same K, trained from one cached stream, compared spliced on
+held-out text and on text neither trained on, ranked by KL with ΔCE beside it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from mxd_lens.studies import StudyResult
+from mxd_lens.studies.demo import DemoOptions
+
+
+def run(model: Any, options: DemoOptions, out: Path | None) -> StudyResult:
+    """The frontier study at one point, in ``out`` (default results/demo, or results/demo-quick with
+    ``--quick``, so a smoke run never meets a real one)."""
+    from mxd_lens.analysis.tasks import bundled_data
+    from mxd_lens.data import default_text
+    from mxd_lens.studies.frontier import FrontierConfig
+    from mxd_lens.studies.frontier.run import run_frontier
+
+    quick = options.quick
+    out = Path(out) if out is not None else Path("results/demo-quick" if quick else "results/demo")
+    ood = options.ood_text or str(bundled_data() / "topic_fortunes_en.jsonl.xz")
+    config = FrontierConfig(
+        text=options.text or str(default_text()),
+        ood_text=None if ood.lower() == "none" else ood,
+        blocks=[options.block],
+        ks=[options.k],
+        width_multiplier=options.width_multiplier,
+        # MxD with the plain TopK gate: on the protocol sweep it keeps L0 = K where the paper's gate
+        # falls to L0 19 (docs/results.md, "MxD's codes on the review protocol")
+        archs=["mxd:gate=topk", "transcoder"],
+        train_tokens=options.train_tokens or (8_192 if quick else 262_144),
+        epochs=options.epochs,
+        eval_tokens=options.eval_tokens or (1_024 if quick else 12_800),
+        context_size=options.context_size,
+        batch_tokens=options.batch_tokens or (256 if quick else 512),
+        rows_per_block=33 if quick else 256,
+        cache_dtype="float16",  # half the disk of float32; activations need no more precision
+    )
+    rows = run_frontier(model, config, out)
+    epochs = f"{rows[0]['epochs']:.2f} epochs over the cache), " if rows[0].get("epochs") else "one pass), "
+    parts = [
+        f"{model.cfg.model_name}, block {options.block}: parameter-matched (m = {options.width_multiplier}), "
+        f"K = {options.k}, {rows[0]['train_tokens']:,} training tokens ({epochs}{rows[0]['tokens']:,} held-out tokens",
+        demo_table(rows),
+        demo_verdict(rows),
+    ]
+    if quick:
+        parts.append("(--quick is a smoke test of the pipeline on few tokens: its numbers are not a result.)")
+    parts.append(
+        f"plot: {out}/frontier.png   table: {out}/frontier.csv   weights: {Path(rows[0]['weights']).parent}/"
+    )
+    return StudyResult(name="demo", text="\n\n".join(parts), value=rows)
+
+
+def demo_table(rows: list[dict[str, Any]]) -> str:
+    """The demo's table as people read it (the columns' formats: mxd_lens.studies.report.COLUMNS)."""
+    import pandas as pd
+
+    from mxd_lens.studies.report import columns, render_table
+
+    shown = columns("label", "params", "ce_clean", "delta_ce", "kl", "fvu", "l0", "dead_fraction", "ood_delta_ce",
+                    "ood_kl", dead_fraction="dead")  # fmt: skip
+    return render_table(pd.DataFrame(rows), shown)
+
+
+def demo_verdict(rows: list[dict[str, Any]]) -> str:
+    """What the numbers say, ranked by KL (how far the spliced model's predictions move from the
+    model's own), with ΔCE beside it and a negative ΔCE worded as what it is."""
+    rows = sorted(rows, key=lambda r: r["kl"])
+    zero = rows[0]["ce_zero_ablation"] - rows[0]["ce_clean"]
+    kl = "; ".join(f"{r['label']} {r['kl']:.4f}" for r in rows)
+    ce = "; ".join(f"{r['label']} {r['delta_ce']:+.4f}" for r in rows)
+    text = (
+        f"{rows[0]['label']} stays closest to the model: KL(clean ‖ spliced) {kl} nats/token. ΔCE, the "
+        f"spliced model's next-token loss minus the clean model's (0: as good as the model's own MLP; "
+        f"deleting the MLP gives {zero:+.4f}): {ce}."
+    )
+    if "ood_kl" in rows[0]:
+        ood = sorted(rows, key=lambda r: r["ood_kl"])
+        text += (
+            f" On text none of them trained on ({ood[0]['ood_tokens']:,} tokens): KL "
+            + "; ".join(f"{r['label']} {r['ood_kl']:.4f}" for r in ood)
+            + ", ΔCE "
+            + "; ".join(f"{r['label']} {r['ood_delta_ce']:+.4f}" for r in ood)
+            + "."
+        )
+    negative = [r["label"] for r in rows if r["delta_ce"] < 0]
+    if negative:
+        text += (
+            f" A negative ΔCE ({', '.join(negative)}) is not a better model: the spliced model predicts this "
+            "held-out text better than the model itself because the layer was fitted to text like it; KL "
+            "counts that as a change."
+        )
+    return text
