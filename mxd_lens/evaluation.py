@@ -49,6 +49,7 @@ from mxd_lens import hooks
 from mxd_lens.firing import FiringTracker
 from mxd_lens.jacobian import jacobian_cosine
 from mxd_lens.layers.base import MLPReplacement
+from mxd_lens.records import TrainingRecord
 
 
 def evaluate(
@@ -179,7 +180,7 @@ def evaluate(
         sst = y_sq[block] - n_tokens * float(y_sum[block].pow(2).sum()) / n_tokens**2  # Σ||y - ȳ||²
         row = _row(name, layer, block, sums, n_pred, ce_clean, f"splice:{name}", [block], baselines)
         n = sums[f"tokens:{name}"]
-        train_metrics = (layer.cfg.metadata.training or {}).get("metrics") or {}
+        train_metrics = TrainingRecord.of(layer).metrics or {}
         row.update(
             fvu=sums[f"sse:{name}"] / max(sst, 1e-12),
             l0=sums[f"l0:{name}"] / n,
@@ -434,7 +435,7 @@ def evaluate_saved(
         raise ValueError(f"--eval-tokens {config.eval_tokens}: evaluate at least one row of tokens")
     paths = layer_folders(folders)
     layers = {path.name: load_layer(path) for path in paths}
-    trained = [(layer.cfg.metadata.training or {}).get("data") or {} for layer in layers.values()]
+    trained = [TrainingRecord.of(layer).text for layer in layers.values()]
     first = trained[0]
     text = config.text or _recorded_text(first, paths[0]) or str(data.default_text())
     same_text = config.text is None and first.get("text")
@@ -454,7 +455,7 @@ def evaluate_saved(
     if not config.allow_other_model:
         here = model_identity(model_source(model))
         for name, layer in layers.items():
-            recorded = (layer.cfg.metadata.training or {}).get("model") or {}
+            recorded = TrainingRecord.of(layer).model_source
             if "kind" in recorded and model_identity(recorded) != here:
                 raise ValueError(
                     f"{name} was trained on {model_identity(recorded)}, but the model given is {here}: "

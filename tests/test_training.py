@@ -432,3 +432,30 @@ def test_two_ddp_ranks_equal_one_process_on_the_same_global_batch(tmp_path, cach
             torch.testing.assert_close(
                 ddp_weights[name][key], single[name][key], rtol=1e-4, atol=1e-5, msg=f"{name}.{key}"
             )
+
+
+def test_a_warm_start_on_scaled_activations_computes_the_host_hidden_layer(tmp_path):
+    """After the scales are known, the copied hidden layer reads s_in x and writes s_out times the
+    host MLP's hidden output (z D), brute-forced from the host's weights."""
+    live = source("gated")
+    trainer = Trainer(
+        [LearnerSpec("mxd", 1, k=4, init="mlp")],
+        live,
+        config(total_tokens=64 * 2, lr=1e-12),
+        model=live.model,
+        progress=False,
+    )
+    learner = trainer.learners["L1.mxd.k4.m8.init-mlp"]
+    batch = next(iter(trainer.batch_stream()))  # the scales are estimated on the first batches
+    s_in, s_out = trainer.scales[1]
+    mlp = live.model.blocks[1].mlp
+    x = batch[1][0][:8].double()
+    phi = learner.layer.phi
+    host = (phi(x @ mlp.W_gate.double()) * (x @ mlp.W_in.double())) @ mlp.W_out.double()
+    layer = learner.layer.double()
+    torch.testing.assert_close(layer.hidden(s_in * x) @ layer.W_out, s_out * host)
+
+
+def test_a_warm_start_into_a_layer_without_a_dense_path_is_refused():
+    with pytest.raises(ValueError, match="init='default'"):
+        LearnerSpec("transcoder", 1, k=4, init="mlp")
