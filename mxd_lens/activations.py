@@ -3,7 +3,8 @@ and the shuffled batches a trainer consumes.
 
 The stream is cut into **blocks**: a fixed number of token rows whose activations are computed
 together (one model forward per ``forward_rows`` rows, stopping after the last layer needed). An
-on-disk cache stores one safetensors shard per block.
+on-disk cache stores one safetensors shard per block, ``shard_000000.safetensors`` on (a cache
+written before they were named shards holds ``block_000000.safetensors`` ...: read and extended as it is).
 
 Batches come from **windows**, each permuted by a generator seeded by (seed, epoch, window) and cut
 into batches that run on across window (and epoch) ends, so no token is dropped:
@@ -242,19 +243,34 @@ class ModelActivations:
             yield index * per_block, _permuted(block, _generator(seed, 0, index))
 
 
-def _shard_name(index: int) -> str:
-    return f"block_{index:06d}.safetensors"
+SHARD_PREFIX = "shard_"
+OLD_SHARD_PREFIX = "block_"  # the shards' name before they were called shards (still read and extended)
 
 
-def _shard_index(name: str) -> int | None:
-    stem = name.removeprefix("block_").removesuffix(".safetensors")
-    if name.startswith("block_") and name.endswith(".safetensors") and stem.isdigit():
+def _shard_name(index: int, prefix: str = SHARD_PREFIX) -> str:
+    return f"{prefix}{index:06d}.safetensors"
+
+
+def _shard_index(name: str, prefix: str = SHARD_PREFIX) -> int | None:
+    stem = name.removeprefix(prefix).removesuffix(".safetensors")
+    if name.startswith(prefix) and name.endswith(".safetensors") and stem.isdigit():
         return int(stem)
     return None
 
 
-def _present_shards(path: Path) -> set[int]:
-    return {i for f in path.glob("block_*.safetensors") if (i := _shard_index(f.name)) is not None}
+def _present_shards(path: Path, prefix: str = SHARD_PREFIX) -> set[int]:
+    return {i for f in path.glob(f"{prefix}*.safetensors") if (i := _shard_index(f.name, prefix)) is not None}
+
+
+def _shard_prefix(path: Path) -> str:
+    """How the cache at ``path`` names its shards: ``shard_*``, or ``block_*`` in a cache written
+    before the rename (its files, or its checksum records, say so)."""
+    if _present_shards(path, SHARD_PREFIX):
+        return SHARD_PREFIX
+    records = _read_records(path, strict=False) or {}
+    if _present_shards(path, OLD_SHARD_PREFIX) or any(n.startswith(OLD_SHARD_PREFIX) for n in records):
+        return OLD_SHARD_PREFIX
+    return SHARD_PREFIX
 
 
 def _digest(path: Path) -> str:
@@ -428,12 +444,13 @@ def write_cache(
         found = _read_records(path, strict=False)
         records = dict(found or {})
         todo, adopted = [], []
-        present = _present_shards(path)
+        prefix = _shard_prefix(path)  # an older cache is extended under its own names
+        present = _present_shards(path, prefix)
         checking = [i for i in range(n_blocks) if i in present]
         for index in tqdm(
             checking, desc="checking cache", unit="block", disable=not progress or not checking
         ):
-            name = _shard_name(index)
+            name = _shard_name(index, prefix)
             record = records.get(name)
             problem = _shard_problem(path / name, record, source.info, dtype)
             if problem is not None:
@@ -464,7 +481,7 @@ def write_cache(
                 for layer, (x, y) in block.items():
                     tensors[f"x.{layer}"] = x.to(CACHE_DTYPES[dtype]).contiguous()
                     tensors[f"y.{layer}"] = y.to(CACHE_DTYPES[dtype]).contiguous()
-                name, record = _shard_name(index), {}
+                name, record = _shard_name(index, prefix), {}
 
                 def write(
                     tmp: str, tensors: dict[str, torch.Tensor] = tensors, record: dict = record
@@ -478,7 +495,7 @@ def write_cache(
                 bar.update(1)
         bar.close()
         _write_records(path, records)
-    written = sum(1 for i in range(n_blocks) if (path / _shard_name(i)).exists())
+    written = sum(1 for i in range(n_blocks) if (path / _shard_name(i, prefix)).exists())
     if written < n_blocks:
         raise ValueError(
             f"the text ran out after {written} of {n_blocks} blocks; the cache at {path} holds {written}"
@@ -567,8 +584,11 @@ class CachedActivations:
                     f"{self.path} was cached with {key}={getattr(self.info, key)!r}, but this run asks for {value!r}"
                 )
         self.records = _read_records(self.path)  # None: written before shards had checksums
-        present = _present_shards(self.path)
-        known = present | {i for name in self.records or {} if (i := _shard_index(name)) is not None}
+        self.shard_prefix = _shard_prefix(self.path)
+        present = _present_shards(self.path, self.shard_prefix)
+        known = present | {
+            i for name in self.records or {} if (i := _shard_index(name, self.shard_prefix)) is not None
+        }
         self.n_blocks = max(known, default=-1) + 1
         if max_blocks is not None:
             self.n_blocks = min(self.n_blocks, max_blocks)
@@ -576,7 +596,7 @@ class CachedActivations:
             raise ValueError(f"{self.path} holds no complete block yet")
         problems = []
         for index in range(self.n_blocks):
-            name = _shard_name(index)
+            name = self.shard_name(index)
             record = (self.records or {}).get(name)
             if index not in present:
                 why = ["recorded as written"] if record else []
@@ -590,7 +610,7 @@ class CachedActivations:
         if problems:
             shown = problems[:5] + ([f"... and {len(problems) - 5} more"] if len(problems) > 5 else [])
             raise CacheError(f"{self.path} is damaged:\n  " + "\n  ".join(shown) + f"\n{REPAIR}")
-        self.unrecorded = [i for i in range(self.n_blocks) if _shard_name(i) not in (self.records or {})]
+        self.unrecorded = [i for i in range(self.n_blocks) if self.shard_name(i) not in (self.records or {})]
         if self.unrecorded:
             warnings.warn(
                 f"{self.path}: {len(self.unrecorded)} shard(s) have no checksum record "
@@ -600,18 +620,22 @@ class CachedActivations:
             )
         self._verified: set[int] = set()
 
+    def shard_name(self, index: int) -> str:
+        """The file name of shard ``index`` in this cache."""
+        return _shard_name(index, self.shard_prefix)
+
     @property
     def epoch_tokens(self) -> int:
         """Tokens in one pass over the cache."""
         return self.n_blocks * self.info.tokens_per_block
 
     def _problem(self, index: int) -> str | None:
-        record = (self.records or {}).get(_shard_name(index))
-        return _shard_problem(self.path / _shard_name(index), record, self.info, self.dtype)
+        record = (self.records or {}).get(self.shard_name(index))
+        return _shard_problem(self.path / self.shard_name(index), record, self.info, self.dtype)
 
     def _load(self, index: int, lo: int = 0, hi: int | None = None) -> Block:
         """Tokens ``lo:hi`` of block ``index``, its shard checked the first time it is read here."""
-        shard_path = self.path / _shard_name(index)
+        shard_path = self.path / self.shard_name(index)
         if index not in self._verified:
             problem = self._problem(index)
             if problem is not None:
@@ -646,7 +670,7 @@ class CachedActivations:
                 self._verified.add(index)
             else:
                 self._verified.discard(index)
-                problems.append(f"{self.path / _shard_name(index)} {problem}")
+                problems.append(f"{self.path / self.shard_name(index)} {problem}")
         return problems
 
     def windows(self, seed: int, start: int = 0) -> Iterator[Window]:

@@ -584,10 +584,7 @@ class Trainer(TrainingLoop):
         identity: dict[str, Any] = {"stream": asdict(source.info), "text": self.data_info}
         if isinstance(source, CachedActivations):
             records = source.records or {}
-            sums = [
-                records.get(f"block_{i:06d}.safetensors", {}).get("blake2b_256")
-                for i in range(source.n_blocks)
-            ]
+            sums = [records.get(source.shard_name(i), {}).get("blake2b_256") for i in range(source.n_blocks)]
             identity.update(
                 kind="cache",
                 # the shards' recorded checksums: two caches of other content differ here even when

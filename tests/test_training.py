@@ -459,3 +459,24 @@ def test_a_warm_start_on_scaled_activations_computes_the_host_hidden_layer(tmp_p
 def test_a_warm_start_into_a_layer_without_a_dense_path_is_refused():
     with pytest.raises(ValueError, match="init='default'"):
         LearnerSpec("transcoder", 1, k=4, init="mlp")
+
+
+def test_a_cache_written_before_the_rename_trains_as_its_renamed_copy(tmp_path):
+    """Old shard names (block_*.safetensors, and in shards.jsonl) train to the same weights as the
+    same cache under today's names."""
+    from test_activations import _as_written_before_shards_were_named_shards
+
+    write_cache(source(), tmp_path / "new", n_blocks=4, progress=False)
+    write_cache(source(), tmp_path / "old", n_blocks=4, progress=False)
+    _as_written_before_shards_were_named_shards(tmp_path / "old")
+    cfg = config(total_tokens=64 * 10, norm_tokens=64 * 2, checkpoint_every=5)
+    for name in ("new", "old"):
+        Trainer(
+            SPECS[:2], CachedActivations(tmp_path / name), cfg, tmp_path / f"run_{name}", progress=False
+        ).fit()
+    assert_identical(final_weights(tmp_path / "run_new"), final_weights(tmp_path / "run_old"))
+    # and a checkpoint of the old cache resumes (its content identity reads the old records)
+    trainer = Trainer(
+        SPECS[:2], CachedActivations(tmp_path / "old"), cfg, tmp_path / "run_old", progress=False
+    )
+    assert trainer.fit(resume=True) is not None
