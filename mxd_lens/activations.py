@@ -2,7 +2,7 @@
 and the shuffled batches a trainer consumes.
 
 The stream is cut into **blocks**: a fixed number of token rows whose activations are computed
-together (one model forward per ``forward_rows`` rows, stopping after the last layer needed). An
+together (one model forward per ``rows_per_forward`` rows, stopping after the last layer needed). An
 on-disk cache stores one safetensors shard per block, ``shard_000000.safetensors`` on (a cache
 written before they were named shards holds ``block_000000.safetensors`` ...: read and extended as it is).
 
@@ -105,7 +105,7 @@ class ModelActivations:
         rows: Callable[[], Iterator[torch.Tensor]],
         context_size: int,
         rows_per_block: int = StreamConfig.rows_per_block,
-        forward_rows: int = StreamConfig.forward_rows,
+        rows_per_forward: int = StreamConfig.rows_per_forward,
         drop_first_position: bool = True,
     ):
         if not layers:
@@ -116,16 +116,16 @@ class ModelActivations:
             raise ValueError(
                 f"context_size={context_size} must be in 2..{model.cfg.n_ctx} (the model's n_ctx)"
             )
-        if rows_per_block <= 0 or forward_rows <= 0:
+        if rows_per_block <= 0 or rows_per_forward <= 0:
             raise ValueError(
-                f"rows_per_block={rows_per_block} and forward_rows={forward_rows} must be positive"
+                f"rows_per_block={rows_per_block} and rows_per_forward={rows_per_forward} must be positive"
             )
         self.model, self.layers, self.rows = model, sorted(set(layers)), rows
         self.text_info: dict[str, Any] | None = None  # set by from_text: where the rows come from
         from mxd_lens.models import model_source
 
         self.model_source = model_source(model)  # where the model came from (load_model's record)
-        self.forward_rows = min(forward_rows, rows_per_block)
+        self.rows_per_forward = min(rows_per_forward, rows_per_block)
         self.info = StreamInfo(
             model_name=model.cfg.model_name,
             layers=self.layers,
@@ -193,7 +193,7 @@ class ModelActivations:
             eval_fraction=config.eval_fraction,
             split_seed=config.split_seed,
             rows_per_block=config.rows_per_block,
-            forward_rows=config.forward_rows,
+            rows_per_forward=config.rows_per_forward,
         )
 
     @torch.inference_mode()
@@ -224,8 +224,8 @@ class ModelActivations:
             if len(chunk) < self.info.rows_per_block:
                 return
             parts = [
-                self.forward(torch.stack(chunk[i : i + self.forward_rows]))
-                for i in range(0, len(chunk), self.forward_rows)
+                self.forward(torch.stack(chunk[i : i + self.rows_per_forward]))
+                for i in range(0, len(chunk), self.rows_per_forward)
             ]
             yield {
                 L: (torch.cat([p[L][0] for p in parts]), torch.cat([p[L][1] for p in parts]))

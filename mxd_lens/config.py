@@ -67,7 +67,7 @@ class StreamConfig:
     """tokens per row, BOS included"""
     rows_per_block: int = 256
     """rows per shuffled block / cache shard"""
-    forward_rows: int = 16
+    rows_per_forward: int = 16
     """rows per model forward"""
     eval_fraction: float = 0.02
     """documents held out for evaluation (the split's 'eval' side)"""
@@ -253,7 +253,7 @@ class FrontierConfig:
     )
     """gradient norm limit per learner (none: off)"""
     rows_per_block: int = StreamConfig.rows_per_block  # token rows per cache shard
-    eval_batch_rows: int = 8  # token rows per evaluation forward
+    eval_rows_per_forward: int = 8  # token rows per evaluation forward
     eval_fraction: float = StreamConfig.eval_fraction  # documents of text held out as its 'eval' side
     split_seed: int = StreamConfig.split_seed  # seed of that document split
     seed: int = 0  # seed of the layers and points with no @SEED
@@ -348,7 +348,7 @@ class EvalConfig:
     """held-out tokens"""
     context_size: int = StreamConfig.context_size
     """tokens per row, BOS included"""
-    batch_rows: int = 8
+    rows_per_forward: int = 8
     """rows per evaluation forward"""
     eval_fraction: float | None = None
     """the split's eval fraction (default: the layers' training record, else StreamConfig's)"""

@@ -384,11 +384,11 @@ def held_out_batches(
     split: str = "eval",
     eval_tokens: int = 25_600,
     context_size: int = 128,
-    batch_rows: int = 8,
+    rows_per_forward: int = 8,
     eval_fraction: float = 0.02,
     split_seed: int = 0,
 ) -> list[torch.Tensor]:
-    """[batch_rows, context_size] token batches, ``eval_tokens`` in all, from the ``split`` side of
+    """[rows_per_forward, context_size] token batches, ``eval_tokens`` in all, from the ``split`` side of
     ``text``'s document split ('all': every document); a warning when the text holds fewer."""
     import itertools
     import logging
@@ -408,7 +408,9 @@ def held_out_batches(
             f"{len(held_out) * context_size:,}",
             f"{eval_tokens:,}",
         )
-    return [torch.stack(held_out[i : i + batch_rows]) for i in range(0, len(held_out), batch_rows)]
+    return [
+        torch.stack(held_out[i : i + rows_per_forward]) for i in range(0, len(held_out), rows_per_forward)
+    ]
 
 
 EVAL_METRICS = ("delta_ce", "kl", "fvu", "l0", "l0_positive", "always_on", "effective_units", "top1_fvu",
@@ -463,7 +465,7 @@ def evaluate_saved(
                     "on, or pass --allow-other-model to evaluate anyway (the record then names this model)"
                 )
     batches = held_out_batches(model, text, config.split, config.eval_tokens, config.context_size,
-                               config.batch_rows, fraction, seed)  # fmt: skip
+                               config.rows_per_forward, fraction, seed)  # fmt: skip
     rows = evaluate(model, layers, batches, progress=progress)
     if config.write:
         try:

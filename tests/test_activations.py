@@ -40,7 +40,9 @@ def finite_rows(n: int, seed: int = 0, context: int = 12):
 
 def test_blocks_hold_each_layers_exact_mlp_io_without_bos():
     model = make_model("parallel")
-    source = ModelActivations(model, [2, 0], random_rows(), context_size=12, rows_per_block=6, forward_rows=4)
+    source = ModelActivations(
+        model, [2, 0], random_rows(), context_size=12, rows_per_block=6, rows_per_forward=4
+    )
     block = next(source.blocks())
     tokens = torch.stack([row for _, row in zip(range(6), random_rows()(), strict=False)])
     with mxd_lens.capture_mlp_io(model, [0, 2]) as io:

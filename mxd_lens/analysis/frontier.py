@@ -44,9 +44,9 @@ def eval_batches(model: Any, config: FrontierConfig) -> list[torch.Tensor]:
     """Held-out [rows, context] token batches: the 'eval' side of the split, ``eval_tokens`` in all."""
     if config.eval_text is not None:
         return held_out_batches(model, config.eval_text, "all", config.eval_tokens, config.context_size,
-                                config.eval_batch_rows)  # fmt: skip
+                                config.eval_rows_per_forward)  # fmt: skip
     return held_out_batches(model, config.text, "eval", config.eval_tokens, config.context_size,
-                            config.eval_batch_rows, config.eval_fraction, config.split_seed)  # fmt: skip
+                            config.eval_rows_per_forward, config.eval_fraction, config.split_seed)  # fmt: skip
 
 
 def write_frontier_cache(
@@ -92,7 +92,8 @@ def run_frontier(
         eval_info = {**text_info, "split": "eval"}
     eval_key = {
         "model": model.cfg.model_name,
-        **{k: getattr(config, k) for k in ("eval_text", "eval_tokens", "context_size", "eval_batch_rows")},
+        **{k: getattr(config, k) for k in ("eval_text", "eval_tokens", "context_size")},
+        "eval_batch_rows": config.eval_rows_per_forward,  # its recorded name: earlier evaluations still match
         **(
             {"ood_text": config.ood_text, "ood_eval_tokens": config.ood_eval_tokens}
             if config.ood_text
@@ -138,7 +139,7 @@ def run_frontier(
             if ood_batches is None:
                 ood_batches = held_out_batches(model, config.ood_text, "all",
                                                config.ood_eval_tokens or config.eval_tokens,
-                                               config.context_size, config.eval_batch_rows)  # fmt: skip
+                                               config.context_size, config.eval_rows_per_forward)  # fmt: skip
             for row, ood in zip(rows, evaluate(model, layers, ood_batches, progress=progress), strict=True):
                 row.update({f"ood_{key}": value for key, value in ood.items() if key not in _IDENTITY})
         for row in rows:
