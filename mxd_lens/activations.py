@@ -71,7 +71,7 @@ class StreamInfo:
     """What a stream holds; a cache records it and a run checks it against what it asks for."""
 
     model_name: str
-    layers: list[int]
+    blocks: list[int]  # the transformer blocks whose MLP input and output the stream holds
     d_in: int
     d_out: int
     rows_per_block: int
@@ -82,9 +82,23 @@ class StreamInfo:
     gated: bool = False
     hook_names: dict[str, list[str]] = field(default_factory=dict)
 
+    @classmethod
+    def from_dict(cls, saved: dict[str, Any]) -> StreamInfo:
+        """A stream's record as a cache manifest holds it, also one written before ``layers`` was
+        renamed ``blocks``."""
+        return cls(**upgrade_stream_record(saved))
+
     @property
     def tokens_per_block(self) -> int:
         return self.rows_per_block * (self.context_size - int(self.drop_first_position))
+
+
+def upgrade_stream_record(saved: dict[str, Any]) -> dict[str, Any]:
+    """A saved stream record (a manifest's or a checkpoint's ``stream``) with today's key names:
+    ``layers`` was renamed ``blocks``."""
+    if "layers" in saved and "blocks" not in saved:
+        saved = {("blocks" if k == "layers" else k): v for k, v in saved.items()}
+    return saved
 
 
 Block = dict[int, tuple[torch.Tensor, torch.Tensor]]  # layer -> (x [n, d_in], y [n, d_out])
@@ -128,7 +142,7 @@ class ModelActivations:
         self.rows_per_forward = min(rows_per_forward, rows_per_block)
         self.info = StreamInfo(
             model_name=model.cfg.model_name,
-            layers=self.layers,
+            blocks=self.layers,
             d_in=model.cfg.d_model,
             d_out=model.cfg.d_model,
             rows_per_block=rows_per_block,
@@ -330,7 +344,7 @@ def _shard_problem(path: Path, record: dict[str, Any] | None, info: StreamInfo, 
         return None
     want = {
         f"{key}.{L}": (info.tokens_per_block, d)
-        for L in info.layers
+        for L in info.blocks
         for key, d in (("x", info.d_in), ("y", info.d_out))
     }
     try:
@@ -431,6 +445,7 @@ def write_cache(
         manifest_path = path / MANIFEST
         if manifest_path.exists():
             existing = json.loads(manifest_path.read_text())
+            existing["stream"] = upgrade_stream_record(existing["stream"])
             if "model" not in existing:  # written before the model's source was recorded: not a difference
                 manifest.pop("model")
             if _comparable(existing) != _comparable(manifest):
@@ -568,12 +583,12 @@ class CachedActivations:
                 "it holds only the shards written so far; wait for it to finish, then start again"
             )
         manifest = json.loads(manifest_path.read_text())
-        self.info = StreamInfo(**manifest["stream"])
+        self.info = StreamInfo.from_dict(manifest["stream"])
         self.dtype = manifest["dtype"]
         self.text_info = manifest.get("text")  # where the cached text came from, for overlap checks
         self.model_source = manifest.get("model")  # where the model came from (None: an older cache)
-        cached = set(self.info.layers)
-        self.layers = sorted(set(layers)) if layers is not None else list(self.info.layers)
+        cached = set(self.info.blocks)
+        self.layers = sorted(set(layers)) if layers is not None else list(self.info.blocks)
         if not set(self.layers) <= cached:
             raise ValueError(
                 f"{self.path} caches layers {sorted(cached)}, not {sorted(set(self.layers) - cached)}"

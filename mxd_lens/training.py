@@ -44,7 +44,13 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
-from mxd_lens.activations import CachedActivations, ModelActivations, StreamInfo, shuffled_batches
+from mxd_lens.activations import (
+    CachedActivations,
+    ModelActivations,
+    StreamInfo,
+    shuffled_batches,
+    upgrade_stream_record,
+)
 from mxd_lens.checkpoints import CheckpointError, RunLocked  # noqa: F401 (re-exported)
 from mxd_lens.config import NORMALIZATIONS, WIDTH_MULTIPLIER, TrainConfig  # noqa: F401 (re-exported)
 from mxd_lens.fileio import atomic_write_text
@@ -161,8 +167,8 @@ def build_layer(
     """A fresh layer for ``spec`` on the stream ``info`` describes, initialised from ``seed``."""
     from sae_lens.saes.sae import SAEMetadata
 
-    if spec.block not in info.layers:
-        raise ValueError(f"{spec.name}: the stream holds blocks {info.layers}, not {spec.block}")
+    if spec.block not in info.blocks:
+        raise ValueError(f"{spec.name}: the stream holds blocks {info.blocks}, not {spec.block}")
     width = spec.width_multiplier * info.d_in
     hook_in, hook_out = info.hook_names[str(spec.block)]
     common = dict(
@@ -543,6 +549,9 @@ class Trainer(TrainingLoop):
                 spec["block"] = spec.pop("layer")
             spec.setdefault("options", {})  # written before LearnerSpec.options
             spec.setdefault("lr", None)  # and LearnerSpec.lr
+        stream = (saved.get("data") or {}).get("stream")
+        if isinstance(stream, dict):  # written before StreamInfo.layers became blocks
+            saved["data"]["stream"] = upgrade_stream_record(stream)
         return saved
 
     def write_state(self, folder: Path) -> None:
@@ -670,8 +679,8 @@ def _version() -> str:
 
 def _check_given(layer: MLPReplacement, spec: LearnerSpec, info: StreamInfo) -> None:
     """A caller's layer must fit the stream: its block, widths and model."""
-    if spec.block not in info.layers:
-        raise ValueError(f"{spec.name}: the stream holds blocks {info.layers}, not {spec.block}")
+    if spec.block not in info.blocks:
+        raise ValueError(f"{spec.name}: the stream holds blocks {info.blocks}, not {spec.block}")
     if (layer.cfg.d_in, layer.cfg.d_out) != (info.d_in, info.d_out):
         raise ValueError(
             f"{spec.name}: the layer maps {layer.cfg.d_in} -> {layer.cfg.d_out}, the stream {info.d_in} -> {info.d_out}"

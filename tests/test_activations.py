@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -443,11 +444,15 @@ def test_cli_verify_reports_a_damaged_cache_and_writes_nothing(caches, capsys):
 
 
 def _as_written_before_shards_were_named_shards(path) -> None:
-    """Give a cache the names an older version wrote: block_*.safetensors files and records."""
+    """Give a cache the names an older version wrote: block_*.safetensors files and records, and
+    the manifest's stream record with ``layers`` for ``blocks``."""
     for shard in path.glob("shard_*.safetensors"):
         shard.rename(path / shard.name.replace("shard_", "block_"))
     records = path / "shards.jsonl"
     records.write_text(records.read_text().replace('"shard_0', '"block_0'))
+    manifest = json.loads((path / "manifest.json").read_text())
+    manifest["stream"] = {("layers" if k == "blocks" else k): v for k, v in manifest["stream"].items()}
+    (path / "manifest.json").write_text(json.dumps(manifest))
 
 
 def test_a_cache_written_before_the_rename_reads_and_extends_under_its_old_names(tmp_path):

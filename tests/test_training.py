@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -475,8 +476,19 @@ def test_a_cache_written_before_the_rename_trains_as_its_renamed_copy(tmp_path):
             SPECS[:2], CachedActivations(tmp_path / name), cfg, tmp_path / f"run_{name}", progress=False
         ).fit()
     assert_identical(final_weights(tmp_path / "run_new"), final_weights(tmp_path / "run_old"))
-    # and a checkpoint of the old cache resumes (its content identity reads the old records)
+    # A checkpoint written before StreamInfo.layers became blocks resumes (and on the old cache, whose
+    # content identity reads the old records): its last five steps are redone to the same weights.
+    checkpoints = tmp_path / "run_old" / "checkpoints"
+    shutil.rmtree(checkpoints / "step_000000010")
+    (checkpoints / "latest").write_text("step_000000005")
+    state_path = checkpoints / "step_000000005" / "trainer_state.json"
+    state = json.loads(state_path.read_text())
+    stream = state["data"]["stream"]
+    state["data"]["stream"] = {("layers" if k == "blocks" else k): v for k, v in stream.items()}
+    state_path.write_text(json.dumps(state))
     trainer = Trainer(
         SPECS[:2], CachedActivations(tmp_path / "old"), cfg, tmp_path / "run_old", progress=False
     )
-    assert trainer.fit(resume=True) is not None
+    trainer.fit(resume=True)
+    assert trainer.step == 10
+    assert_identical(final_weights(tmp_path / "run_new"), final_weights(tmp_path / "run_old"))

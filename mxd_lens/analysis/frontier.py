@@ -30,7 +30,14 @@ import numpy as np
 import torch
 
 from mxd_lens import data
-from mxd_lens.activations import MANIFEST, CachedActivations, ModelActivations, StreamConfig, write_cache
+from mxd_lens.activations import (
+    MANIFEST,
+    CachedActivations,
+    ModelActivations,
+    StreamConfig,
+    StreamInfo,
+    write_cache,
+)
 from mxd_lens.config import FrontierConfig  # noqa: F401 (re-exported)
 from mxd_lens.evaluation import check_disjoint, evaluate, held_out_batches
 from mxd_lens.fileio import atomic_to_csv, atomic_write_text
@@ -57,7 +64,10 @@ def write_frontier_cache(
     cache = Path(config.cache) if config.cache else out / "cache"
     blocks = config.all_blocks
     if (cache / MANIFEST).is_file():  # a shared cache may hold more blocks than this study needs
-        blocks = sorted(set(blocks) | set(json.loads((cache / MANIFEST).read_text())["stream"]["layers"]))
+        blocks = sorted(
+            set(blocks)
+            | set(StreamInfo.from_dict(json.loads((cache / MANIFEST).read_text())["stream"]).blocks)
+        )
     stream_config = StreamConfig(
         text=config.text,
         **{k: getattr(config, k) for k in ("context_size", "rows_per_block", "eval_fraction", "split_seed")},
