@@ -431,18 +431,21 @@ class Trainer(TrainingLoop):
                 break
         if not head:
             return iter(())
-        for layer in head[0]:
-            x = torch.cat([b[layer][0] for b in head]).double()
-            y = torch.cat([b[layer][1] for b in head]).double()
+        for block in head[0]:
+            x = torch.cat([b[block][0] for b in head]).double()
+            y = torch.cat([b[block][1] for b in head]).double()
             s_in = s_out = 1.0
             if cfg.normalize != "none":
                 s_in = float((x.shape[-1] / x.pow(2).sum(-1).mean()).sqrt())
             if cfg.normalize == "input_output":
                 s_out = float((y.shape[-1] / y.pow(2).sum(-1).mean()).sqrt())
             if not all(math.isfinite(s) and s > 0 for s in (s_in, s_out)):
-                raise FloatingPointError(f"layer {layer}: activation scales {s_in}, {s_out} are not usable")
-            self.scales[layer] = (s_in, s_out)
-            self.loss_scale[layer] = float(((y - y.mean(0)) * s_out).pow(2).sum(-1).mean())
+                raise FloatingPointError(
+                    f"block {block}: activation scales {s_in}, {s_out} are not usable; the stream's "
+                    "activations there are zero or not finite"
+                )
+            self.scales[block] = (s_in, s_out)
+            self.loss_scale[block] = float(((y - y.mean(0)) * s_out).pow(2).sum(-1).mean())
         with torch.no_grad():
             for learner in self.learners.values():
                 s_in, s_out = self.scales[learner.block]
