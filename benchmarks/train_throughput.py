@@ -35,7 +35,7 @@ Ratios:
 
 Fairness: SAELens's buffer is set to the size of our block (n_batches_in_buffer = rows_per_block: its
 buffer holds n_batches_in_buffer * (context - 1) tokens), its forward batch to ours
-(store_batch_size_prompts = forward_rows) and both drop position 0 of every row (seqpos_slice=(1, None)).
+(store_batch_size_prompts = rows_per_forward) and both drop position 0 of every row (seqpos_slice=(1, None)).
 Its dataset is a datasets.Dataset of the same token rows (column input_ids, so is_dataset_tokenized).
 """
 
@@ -86,7 +86,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--batch-tokens", type=int, default=4096, help="tokens per step (default 4096)")
     p.add_argument("--context-size", type=int, default=128, help="tokens per row (default 128)")
     p.add_argument("--rows-per-block", type=int, default=256, help="rows per block (default 256, as the CLI)")
-    p.add_argument("--forward-rows", type=int, default=16, help="rows per model forward (default 16)")
+    p.add_argument("--rows-per-forward", type=int, default=16, help="rows per model forward (default 16)")
     p.add_argument("--k", type=int, default=32, help="K of the single-learner runs; the 4 use K/2 and K")
     p.add_argument(
         "--m", type=int, default=8, help="width multiplier: transcoder H = m * d_model (default 8)"
@@ -100,7 +100,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     g.add_argument("--n-heads", type=int, default=4, help="d_head = d_model / n_heads")
     g.add_argument("--d-vocab", type=int, default=5000)
     args = p.parse_args(argv)
-    for name in ("tokens", "batch_tokens", "rows_per_block", "forward_rows", "k", "m", "n_layers"):
+    for name in ("tokens", "batch_tokens", "rows_per_block", "rows_per_forward", "k", "m", "n_layers"):
         if getattr(args, name) <= 0:
             p.error(f"--{name.replace('_', '-')} must be positive")
     if args.k < 2:
@@ -182,7 +182,7 @@ def stream(model: Any, args: argparse.Namespace, rows: Rows, rows_per_block: int
         rows,
         context_size=args.context_size,
         rows_per_block=rows_per_block or args.rows_per_block,
-        forward_rows=args.forward_rows,
+        rows_per_forward=args.rows_per_forward,
     )
 
 
@@ -244,7 +244,7 @@ def saelens_store(model: Any, args: argparse.Namespace, rows: torch.Tensor, rows
             context_size=args.context_size,
             n_batches_in_buffer=rows_per_block,  # buffer = n_batches_in_buffer * (context - 1) tokens
             total_training_tokens=args.tokens,
-            store_batch_size_prompts=args.forward_rows,
+            store_batch_size_prompts=args.rows_per_forward,
             train_batch_size_tokens=args.batch_tokens,
             prepend_bos=True,
             seqpos_slice=(1, None),
@@ -302,7 +302,7 @@ def run(argv: Sequence[str] | None = None) -> dict:
     n_blocks = math.ceil(steps / batches_per_block)
     our_rows = n_blocks * args.rows_per_block
     # SAELens serves a batch once its buffer is full and keeps half of it: a margin of two buffers.
-    saelens_rows = math.ceil(args.tokens / per_row) + 2 * args.rows_per_block + args.forward_rows
+    saelens_rows = math.ceil(args.tokens / per_row) + 2 * args.rows_per_block + args.rows_per_forward
     rows = token_rows(model, args.context_size, max(our_rows, saelens_rows), args.seed)
 
     k_lo, k = args.k // 2, args.k
@@ -325,7 +325,7 @@ def run(argv: Sequence[str] | None = None) -> dict:
         # Warm-up: two steps of every code path (model forward, each learner, SAELens store, cache).
         warm_tokens = 2 * args.batch_tokens
         warm_block = math.ceil(warm_tokens / per_row)
-        n_warm = math.ceil(warm_tokens / per_row) + 3 * warm_block + args.forward_rows
+        n_warm = math.ceil(warm_tokens / per_row) + 3 * warm_block + args.rows_per_forward
         warm_rows = token_rows(model, args.context_size, n_warm, args.seed + 1)
         run_trainer(specs, stream(model, args, Rows(warm_rows), warm_block), args, warm_tokens, tmp / "warm")
         run_saelens(model, args, warm_rows, warm_tokens, info, warm_block)
@@ -460,7 +460,7 @@ def print_report(res: dict) -> None:
     print(f"model: {res['model']}")
     print(
         f"stream: layer {L}, rows of {a['context_size']} seeded random tokens (position 0 dropped: "
-        f"{a['context_size'] - 1} tokens/row), {a['forward_rows']} rows per forward, blocks of "
+        f"{a['context_size'] - 1} tokens/row), {a['rows_per_forward']} rows per forward, blocks of "
         f"{a['rows_per_block']} rows = {res['block_tokens']:,} tokens = {res['batches_per_block']} batches of "
         f"{a['batch_tokens']:,} ({100 * b['forward wasted per block']:.1f}% of each block's tokens are "
         f"computed and dropped); {a['tokens']:,} tokens = {res['steps']} steps = {res['n_blocks']} blocks "
@@ -474,7 +474,7 @@ def print_report(res: dict) -> None:
     print(
         f"SAELens: ActivationsStore.from_config_multi_hook(hook_names=['blocks.{L}.mlp.hook_in', "
         f"'blocks.{L}.hook_mlp_out'], n_batches_in_buffer={a['rows_per_block']}, "
-        f"store_batch_size_prompts={a['forward_rows']}, seqpos_slice=(1, None)) on a datasets.Dataset of the "
+        f"store_batch_size_prompts={a['rows_per_forward']}, seqpos_slice=(1, None)) on a datasets.Dataset of the "
         "same rows (column input_ids), feeding our Transcoder in a plain Adam(fused=True) loop"
     )
     print(

@@ -2,8 +2,9 @@
 and the shuffled batches a trainer consumes.
 
 The stream is cut into **blocks**: a fixed number of token rows whose activations are computed
-together (one model forward per ``forward_rows`` rows, stopping after the last layer needed). An
-on-disk cache stores one safetensors shard per block.
+together (one model forward per ``rows_per_forward`` rows, stopping after the last layer needed). An
+on-disk cache stores one safetensors shard per block, ``shard_000000.safetensors`` on (a cache
+written before they were named shards holds ``block_000000.safetensors`` ...: read and extended as it is).
 
 Batches come from **windows**, each permuted by a generator seeded by (seed, epoch, window) and cut
 into batches that run on across window (and epoch) ends, so no token is dropped:
@@ -70,7 +71,7 @@ class StreamInfo:
     """What a stream holds; a cache records it and a run checks it against what it asks for."""
 
     model_name: str
-    layers: list[int]
+    blocks: list[int]  # the transformer blocks whose MLP input and output the stream holds
     d_in: int
     d_out: int
     rows_per_block: int
@@ -81,9 +82,23 @@ class StreamInfo:
     gated: bool = False
     hook_names: dict[str, list[str]] = field(default_factory=dict)
 
+    @classmethod
+    def from_dict(cls, saved: dict[str, Any]) -> StreamInfo:
+        """A stream's record as a cache manifest holds it, also one written before ``layers`` was
+        renamed ``blocks``."""
+        return cls(**upgrade_stream_record(saved))
+
     @property
     def tokens_per_block(self) -> int:
         return self.rows_per_block * (self.context_size - int(self.drop_first_position))
+
+
+def upgrade_stream_record(saved: dict[str, Any]) -> dict[str, Any]:
+    """A saved stream record (a manifest's or a checkpoint's ``stream``) with today's key names:
+    ``layers`` was renamed ``blocks``."""
+    if "layers" in saved and "blocks" not in saved:
+        saved = {("blocks" if k == "layers" else k): v for k, v in saved.items()}
+    return saved
 
 
 Block = dict[int, tuple[torch.Tensor, torch.Tensor]]  # layer -> (x [n, d_in], y [n, d_out])
@@ -104,7 +119,7 @@ class ModelActivations:
         rows: Callable[[], Iterator[torch.Tensor]],
         context_size: int,
         rows_per_block: int = StreamConfig.rows_per_block,
-        forward_rows: int = StreamConfig.forward_rows,
+        rows_per_forward: int = StreamConfig.rows_per_forward,
         drop_first_position: bool = True,
     ):
         if not layers:
@@ -115,19 +130,19 @@ class ModelActivations:
             raise ValueError(
                 f"context_size={context_size} must be in 2..{model.cfg.n_ctx} (the model's n_ctx)"
             )
-        if rows_per_block <= 0 or forward_rows <= 0:
+        if rows_per_block <= 0 or rows_per_forward <= 0:
             raise ValueError(
-                f"rows_per_block={rows_per_block} and forward_rows={forward_rows} must be positive"
+                f"rows_per_block={rows_per_block} and rows_per_forward={rows_per_forward} must be positive"
             )
         self.model, self.layers, self.rows = model, sorted(set(layers)), rows
         self.text_info: dict[str, Any] | None = None  # set by from_text: where the rows come from
         from mxd_lens.models import model_source
 
         self.model_source = model_source(model)  # where the model came from (load_model's record)
-        self.forward_rows = min(forward_rows, rows_per_block)
+        self.rows_per_forward = min(rows_per_forward, rows_per_block)
         self.info = StreamInfo(
             model_name=model.cfg.model_name,
-            layers=self.layers,
+            blocks=self.layers,
             d_in=model.cfg.d_model,
             d_out=model.cfg.d_model,
             rows_per_block=rows_per_block,
@@ -192,7 +207,7 @@ class ModelActivations:
             eval_fraction=config.eval_fraction,
             split_seed=config.split_seed,
             rows_per_block=config.rows_per_block,
-            forward_rows=config.forward_rows,
+            rows_per_forward=config.rows_per_forward,
         )
 
     @torch.inference_mode()
@@ -223,8 +238,8 @@ class ModelActivations:
             if len(chunk) < self.info.rows_per_block:
                 return
             parts = [
-                self.forward(torch.stack(chunk[i : i + self.forward_rows]))
-                for i in range(0, len(chunk), self.forward_rows)
+                self.forward(torch.stack(chunk[i : i + self.rows_per_forward]))
+                for i in range(0, len(chunk), self.rows_per_forward)
             ]
             yield {
                 L: (torch.cat([p[L][0] for p in parts]), torch.cat([p[L][1] for p in parts]))
@@ -242,19 +257,34 @@ class ModelActivations:
             yield index * per_block, _permuted(block, _generator(seed, 0, index))
 
 
-def _shard_name(index: int) -> str:
-    return f"block_{index:06d}.safetensors"
+SHARD_PREFIX = "shard_"
+OLD_SHARD_PREFIX = "block_"  # the shards' name before they were called shards (still read and extended)
 
 
-def _shard_index(name: str) -> int | None:
-    stem = name.removeprefix("block_").removesuffix(".safetensors")
-    if name.startswith("block_") and name.endswith(".safetensors") and stem.isdigit():
+def _shard_name(index: int, prefix: str = SHARD_PREFIX) -> str:
+    return f"{prefix}{index:06d}.safetensors"
+
+
+def _shard_index(name: str, prefix: str = SHARD_PREFIX) -> int | None:
+    stem = name.removeprefix(prefix).removesuffix(".safetensors")
+    if name.startswith(prefix) and name.endswith(".safetensors") and stem.isdigit():
         return int(stem)
     return None
 
 
-def _present_shards(path: Path) -> set[int]:
-    return {i for f in path.glob("block_*.safetensors") if (i := _shard_index(f.name)) is not None}
+def _present_shards(path: Path, prefix: str = SHARD_PREFIX) -> set[int]:
+    return {i for f in path.glob(f"{prefix}*.safetensors") if (i := _shard_index(f.name, prefix)) is not None}
+
+
+def _shard_prefix(path: Path) -> str:
+    """How the cache at ``path`` names its shards: ``shard_*``, or ``block_*`` in a cache written
+    before the rename (its files, or its checksum records, say so)."""
+    if _present_shards(path, SHARD_PREFIX):
+        return SHARD_PREFIX
+    records = _read_records(path, strict=False) or {}
+    if _present_shards(path, OLD_SHARD_PREFIX) or any(n.startswith(OLD_SHARD_PREFIX) for n in records):
+        return OLD_SHARD_PREFIX
+    return SHARD_PREFIX
 
 
 def _digest(path: Path) -> str:
@@ -314,7 +344,7 @@ def _shard_problem(path: Path, record: dict[str, Any] | None, info: StreamInfo, 
         return None
     want = {
         f"{key}.{L}": (info.tokens_per_block, d)
-        for L in info.layers
+        for L in info.blocks
         for key, d in (("x", info.d_in), ("y", info.d_out))
     }
     try:
@@ -415,6 +445,7 @@ def write_cache(
         manifest_path = path / MANIFEST
         if manifest_path.exists():
             existing = json.loads(manifest_path.read_text())
+            existing["stream"] = upgrade_stream_record(existing["stream"])
             if "model" not in existing:  # written before the model's source was recorded: not a difference
                 manifest.pop("model")
             if _comparable(existing) != _comparable(manifest):
@@ -428,12 +459,13 @@ def write_cache(
         found = _read_records(path, strict=False)
         records = dict(found or {})
         todo, adopted = [], []
-        present = _present_shards(path)
+        prefix = _shard_prefix(path)  # an older cache is extended under its own names
+        present = _present_shards(path, prefix)
         checking = [i for i in range(n_blocks) if i in present]
         for index in tqdm(
             checking, desc="checking cache", unit="block", disable=not progress or not checking
         ):
-            name = _shard_name(index)
+            name = _shard_name(index, prefix)
             record = records.get(name)
             problem = _shard_problem(path / name, record, source.info, dtype)
             if problem is not None:
@@ -464,7 +496,7 @@ def write_cache(
                 for layer, (x, y) in block.items():
                     tensors[f"x.{layer}"] = x.to(CACHE_DTYPES[dtype]).contiguous()
                     tensors[f"y.{layer}"] = y.to(CACHE_DTYPES[dtype]).contiguous()
-                name, record = _shard_name(index), {}
+                name, record = _shard_name(index, prefix), {}
 
                 def write(
                     tmp: str, tensors: dict[str, torch.Tensor] = tensors, record: dict = record
@@ -478,7 +510,7 @@ def write_cache(
                 bar.update(1)
         bar.close()
         _write_records(path, records)
-    written = sum(1 for i in range(n_blocks) if (path / _shard_name(i)).exists())
+    written = sum(1 for i in range(n_blocks) if (path / _shard_name(i, prefix)).exists())
     if written < n_blocks:
         raise ValueError(
             f"the text ran out after {written} of {n_blocks} blocks; the cache at {path} holds {written}"
@@ -551,12 +583,12 @@ class CachedActivations:
                 "it holds only the shards written so far; wait for it to finish, then start again"
             )
         manifest = json.loads(manifest_path.read_text())
-        self.info = StreamInfo(**manifest["stream"])
+        self.info = StreamInfo.from_dict(manifest["stream"])
         self.dtype = manifest["dtype"]
         self.text_info = manifest.get("text")  # where the cached text came from, for overlap checks
         self.model_source = manifest.get("model")  # where the model came from (None: an older cache)
-        cached = set(self.info.layers)
-        self.layers = sorted(set(layers)) if layers is not None else list(self.info.layers)
+        cached = set(self.info.blocks)
+        self.layers = sorted(set(layers)) if layers is not None else list(self.info.blocks)
         if not set(self.layers) <= cached:
             raise ValueError(
                 f"{self.path} caches layers {sorted(cached)}, not {sorted(set(self.layers) - cached)}"
@@ -567,8 +599,11 @@ class CachedActivations:
                     f"{self.path} was cached with {key}={getattr(self.info, key)!r}, but this run asks for {value!r}"
                 )
         self.records = _read_records(self.path)  # None: written before shards had checksums
-        present = _present_shards(self.path)
-        known = present | {i for name in self.records or {} if (i := _shard_index(name)) is not None}
+        self.shard_prefix = _shard_prefix(self.path)
+        present = _present_shards(self.path, self.shard_prefix)
+        known = present | {
+            i for name in self.records or {} if (i := _shard_index(name, self.shard_prefix)) is not None
+        }
         self.n_blocks = max(known, default=-1) + 1
         if max_blocks is not None:
             self.n_blocks = min(self.n_blocks, max_blocks)
@@ -576,7 +611,7 @@ class CachedActivations:
             raise ValueError(f"{self.path} holds no complete block yet")
         problems = []
         for index in range(self.n_blocks):
-            name = _shard_name(index)
+            name = self.shard_name(index)
             record = (self.records or {}).get(name)
             if index not in present:
                 why = ["recorded as written"] if record else []
@@ -590,7 +625,7 @@ class CachedActivations:
         if problems:
             shown = problems[:5] + ([f"... and {len(problems) - 5} more"] if len(problems) > 5 else [])
             raise CacheError(f"{self.path} is damaged:\n  " + "\n  ".join(shown) + f"\n{REPAIR}")
-        self.unrecorded = [i for i in range(self.n_blocks) if _shard_name(i) not in (self.records or {})]
+        self.unrecorded = [i for i in range(self.n_blocks) if self.shard_name(i) not in (self.records or {})]
         if self.unrecorded:
             warnings.warn(
                 f"{self.path}: {len(self.unrecorded)} shard(s) have no checksum record "
@@ -600,18 +635,22 @@ class CachedActivations:
             )
         self._verified: set[int] = set()
 
+    def shard_name(self, index: int) -> str:
+        """The file name of shard ``index`` in this cache."""
+        return _shard_name(index, self.shard_prefix)
+
     @property
     def epoch_tokens(self) -> int:
         """Tokens in one pass over the cache."""
         return self.n_blocks * self.info.tokens_per_block
 
     def _problem(self, index: int) -> str | None:
-        record = (self.records or {}).get(_shard_name(index))
-        return _shard_problem(self.path / _shard_name(index), record, self.info, self.dtype)
+        record = (self.records or {}).get(self.shard_name(index))
+        return _shard_problem(self.path / self.shard_name(index), record, self.info, self.dtype)
 
     def _load(self, index: int, lo: int = 0, hi: int | None = None) -> Block:
         """Tokens ``lo:hi`` of block ``index``, its shard checked the first time it is read here."""
-        shard_path = self.path / _shard_name(index)
+        shard_path = self.path / self.shard_name(index)
         if index not in self._verified:
             problem = self._problem(index)
             if problem is not None:
@@ -646,7 +685,7 @@ class CachedActivations:
                 self._verified.add(index)
             else:
                 self._verified.discard(index)
-                problems.append(f"{self.path / _shard_name(index)} {problem}")
+                problems.append(f"{self.path / self.shard_name(index)} {problem}")
         return problems
 
     def windows(self, seed: int, start: int = 0) -> Iterator[Window]:

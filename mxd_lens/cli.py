@@ -388,7 +388,7 @@ def _train(args: argparse.Namespace) -> int:
 
         model = load_model(stream_config.model, tl_name=stream_config.tl_name)
         source = ModelActivations.from_config(model, args.blocks, stream_config)
-    blocks = args.blocks or source.info.layers
+    blocks = args.blocks or source.info.blocks
     specs = [
         LearnerSpec(arch, block, k, m, init=args.init if arch.partition(":")[0] == "mxd" else "default")
         for block in blocks

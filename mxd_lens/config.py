@@ -66,7 +66,7 @@ class StreamConfig:
     """tokens per row, BOS included"""
     rows_per_block: int = 256
     """rows per shuffled block / cache shard"""
-    forward_rows: int = 16
+    rows_per_forward: int = 16
     """rows per model forward"""
     eval_fraction: float = 0.02
     """documents held out for evaluation (the split's 'eval' side)"""

@@ -2,7 +2,7 @@
 
 Three steps, each an iterator so nothing is loaded whole and a dataset can be streamed:
 
-* ``iter_texts(source)`` yields documents from a local file or folder (``.txt`` blocks separated by
+* ``iter_texts(source)`` yields documents from a local file or folder (``.txt`` paragraphs separated by
   blank lines, ``.jsonl`` objects, either ``.xz`` / ``.gz`` compressed) or a Hugging Face dataset;
 * ``split_texts(texts, "train" | "eval")`` keeps one side of a split decided by a hash of each
   document, so train and eval never share a document whatever the order or the streaming;
@@ -142,7 +142,7 @@ def _iter_file(path: Path, text_field: str) -> Iterator[str]:
             if ".jsonl" in (_suffix(path) or ""):
                 yield from _iter_jsonl(f, path, text_field)
             else:
-                yield from _iter_blocks(f)
+                yield from _iter_paragraphs(f)
     except UnicodeDecodeError as e:
         offset = _utf8_error_offset(path)
         where = "" if offset is None else f" at byte {offset}"
@@ -191,17 +191,17 @@ def _open_bytes(path: Path) -> IO[bytes]:
     return open(path, "rb")
 
 
-def _iter_blocks(lines: Iterable[str]) -> Iterator[str]:
-    """Blocks of lines separated by one or more blank lines, stripped."""
-    block: list[str] = []
+def _iter_paragraphs(lines: Iterable[str]) -> Iterator[str]:
+    """Paragraphs: runs of lines separated by one or more blank lines, stripped."""
+    paragraph: list[str] = []
     for line in lines:
         if line.strip():
-            block.append(line)
-        elif block:
-            yield "".join(block).strip()
-            block = []
-    if block:
-        yield "".join(block).strip()
+            paragraph.append(line)
+        elif paragraph:
+            yield "".join(paragraph).strip()
+            paragraph = []
+    if paragraph:
+        yield "".join(paragraph).strip()
 
 
 def _iter_jsonl(lines: Iterable[str], path: Path, text_field: str) -> Iterator[str]:

@@ -48,6 +48,7 @@ from mxd_lens import hooks
 from mxd_lens.firing import FiringTracker
 from mxd_lens.jacobian import jacobian_cosine
 from mxd_lens.layers.base import MLPReplacement
+from mxd_lens.records import TrainingRecord
 
 
 def evaluate(
@@ -178,7 +179,7 @@ def evaluate(
         sst = y_sq[block] - n_tokens * float(y_sum[block].pow(2).sum()) / n_tokens**2  # Σ||y - ȳ||²
         row = _row(name, layer, block, sums, n_pred, ce_clean, f"splice:{name}", [block], baselines)
         n = sums[f"tokens:{name}"]
-        train_metrics = (layer.cfg.metadata.training or {}).get("metrics") or {}
+        train_metrics = TrainingRecord.of(layer).metrics or {}
         row.update(
             fvu=sums[f"sse:{name}"] / max(sst, 1e-12),
             l0=sums[f"l0:{name}"] / n,
@@ -382,11 +383,11 @@ def held_out_batches(
     split: str = "eval",
     eval_tokens: int = 25_600,
     context_size: int = 128,
-    batch_rows: int = 8,
+    rows_per_forward: int = 8,
     eval_fraction: float = 0.02,
     split_seed: int = 0,
 ) -> list[torch.Tensor]:
-    """[batch_rows, context_size] token batches, ``eval_tokens`` in all, from the ``split`` side of
+    """[rows_per_forward, context_size] token batches, ``eval_tokens`` in all, from the ``split`` side of
     ``text``'s document split ('all': every document); a warning when the text holds fewer."""
     import itertools
     import logging
@@ -406,7 +407,9 @@ def held_out_batches(
             f"{len(held_out) * context_size:,}",
             f"{eval_tokens:,}",
         )
-    return [torch.stack(held_out[i : i + batch_rows]) for i in range(0, len(held_out), batch_rows)]
+    return [
+        torch.stack(held_out[i : i + rows_per_forward]) for i in range(0, len(held_out), rows_per_forward)
+    ]
 
 
 EVAL_METRICS = ("delta_ce", "kl", "fvu", "l0", "l0_positive", "always_on", "effective_units", "top1_fvu",

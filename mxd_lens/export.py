@@ -94,6 +94,7 @@ def export_circuit_tracer(layers: Sequence[str | Path] | str | Path, out: str | 
     from mxd_lens.hooks import block_of
     from mxd_lens.layers.io import layer_folders, load_layer
     from mxd_lens.models import model_identity
+    from mxd_lens.records import TrainingRecord
 
     loaded = [(folder, load_layer(folder)) for folder in layer_folders(layers)]
     by_block: dict[int, tuple[Path, Any]] = {}
@@ -109,7 +110,7 @@ def export_circuit_tracer(layers: Sequence[str | Path] | str | Path, out: str | 
         raise ValueError(f"a transcoder set has one architecture, K and width; got {sorted(shapes)}")
     models = {}
     for folder, layer in by_block.values():
-        recorded = (layer.cfg.metadata.training or {}).get("model") or {}
+        recorded = TrainingRecord.of(layer).model_source
         identity = (
             model_identity(recorded) if "kind" in recorded else {"model_name": layer.cfg.metadata.model_name}
         )

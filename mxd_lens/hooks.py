@@ -121,9 +121,9 @@ def check_fits(model: HookedTransformer, layer: MLPReplacement[Any], index: int)
         # One model loaded from another source (a .gguf and its Hugging Face folder) has another name
         # but the same architecture: the recorded shape decides, when the layer has one.
         from mxd_lens.models import model_shape
+        from mxd_lens.records import TrainingRecord
 
-        training = getattr(layer.cfg.metadata, "training", None) or {}
-        recorded = (training.get("model") or {}).get("shape")
+        recorded = TrainingRecord.of(layer).model_source.get("shape")
         if recorded is None or recorded != model_shape(model):
             why = (
                 "and records no model shape to compare"
@@ -144,22 +144,22 @@ def check_fits(model: HookedTransformer, layer: MLPReplacement[Any], index: int)
 
 @contextmanager
 def capture_mlp_io(
-    model: HookedTransformer, layers: Sequence[int]
+    model: HookedTransformer, blocks: Sequence[int]
 ) -> Iterator[dict[int, dict[str, torch.Tensor]]]:
-    """Record (MLP input, hook_mlp_out) of each block in ``layers`` during forwards inside the block:
+    """Record (MLP input, hook_mlp_out) of each block in ``blocks`` during forwards inside the block:
     ``with capture_mlp_io(model, [3]) as io: model(tokens)`` then ``io[3]["in"], io[3]["out"]``."""
-    io: dict[int, dict[str, torch.Tensor]] = {layer: {} for layer in layers}
+    io: dict[int, dict[str, torch.Tensor]] = {block: {} for block in blocks}
     handles = []
     fwd_hooks = []
     try:
-        for layer in layers:
-            slot = io[layer]
-            handles.append(mlp_module(model, layer).register_forward_pre_hook(_store_input(slot)))
+        for block in blocks:
+            slot = io[block]
+            handles.append(mlp_module(model, block).register_forward_pre_hook(_store_input(slot)))
 
             def store_out(out: torch.Tensor, hook: Any, slot: dict[str, torch.Tensor] = slot) -> None:
                 slot["out"] = out
 
-            fwd_hooks.append((mlp_out_hook(layer), store_out))
+            fwd_hooks.append((mlp_out_hook(block), store_out))
         with model.hooks(fwd_hooks=fwd_hooks):
             yield io
     finally:

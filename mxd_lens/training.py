@@ -44,13 +44,20 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
-from mxd_lens.activations import CachedActivations, ModelActivations, StreamInfo, shuffled_batches
+from mxd_lens.activations import (
+    CachedActivations,
+    ModelActivations,
+    StreamInfo,
+    shuffled_batches,
+    upgrade_stream_record,
+)
 from mxd_lens.checkpoints import CheckpointError, RunLocked  # noqa: F401 (re-exported)
 from mxd_lens.config import NORMALIZATIONS, WIDTH_MULTIPLIER, TrainConfig  # noqa: F401 (re-exported)
 from mxd_lens.fileio import atomic_write_text
 from mxd_lens.firing import FiringTracker
-from mxd_lens.layers import MLPReplacement, MxD, architecture_key, get_architecture
+from mxd_lens.layers import MLPReplacement, architecture_key, get_architecture
 from mxd_lens.loop import SCHEDULES, ResumeMismatch, TrainingDiverged, TrainingLoop, scheduled_lr  # noqa: F401
+from mxd_lens.records import TrainingRecord
 
 # Settings that may change between a checkpoint and its resumption without changing what is trained.
 _FREE = ("total_tokens", "epochs", "log_every", "checkpoint_every", "keep_checkpoints", "wandb_project")
@@ -69,7 +76,8 @@ class LearnerSpec:
     block: int  # the transformer block whose MLP it replaces
     k: int
     width_multiplier: int = WIDTH_MULTIPLIER
-    init: Literal["default", "mlp", "given"] = "default"  # "mlp": MxD's E, b_E, D from the host MLP;
+    init: Literal["default", "mlp", "given"] = "default"  # "mlp": the host MLP's weights in the layer's
+    # dense path (an architecture with ``copies_host_mlp``: MxD's E, b_E, D);
     # "given": a layer built by the caller (Trainer takes the layer itself in place of a spec)
     d_sae: int | None = None
     normalize_decoder: bool | None = (
@@ -104,8 +112,11 @@ class LearnerSpec:
                 f"{self.arch}: {unknown} cannot be set as options; {layer_cls.config_class.__name__}'s "
                 f"options are {sorted(allowed) or 'none'}"
             )
-        if self.init == "mlp" and not issubclass(get_architecture(self.arch), MxD):
-            raise ValueError(f"init='mlp' copies the host MLP into an MxD; {self.arch} has no such part")
+        if self.init == "mlp" and not layer_cls.copies_host_mlp:
+            raise ValueError(
+                f"init='mlp' copies the host MLP's weights into the layer; {self.arch} has no part that takes "
+                "them: use init='default'"
+            )
 
     @property
     def name(self) -> str:
@@ -156,8 +167,8 @@ def build_layer(
     """A fresh layer for ``spec`` on the stream ``info`` describes, initialised from ``seed``."""
     from sae_lens.saes.sae import SAEMetadata
 
-    if spec.block not in info.layers:
-        raise ValueError(f"{spec.name}: the stream holds blocks {info.layers}, not {spec.block}")
+    if spec.block not in info.blocks:
+        raise ValueError(f"{spec.name}: the stream holds blocks {info.blocks}, not {spec.block}")
     width = spec.width_multiplier * info.d_in
     hook_in, hook_out = info.hook_names[str(spec.block)]
     common = dict(
@@ -180,12 +191,39 @@ def build_layer(
 
 @dataclass
 class _Learner:
-    spec: LearnerSpec
+    spec: LearnerSpec  # what was asked: the learner's name, its checkpoint identity and saved record
     layer: MLPReplacement  # trains on scaled activations; ``Trainer.trained_layers`` gives raw-scale copies
+    block: int
+    raw_scale: Literal["all", "copied"] | None  # what of the layer reads raw activations until the
+    # scales are known: all of it (a layer built by the caller), the parts copied from the host MLP
+    normalize_decoder: bool
     optimizer: torch.optim.Adam
     firing: FiringTracker
     history: list[dict[str, float]] = field(default_factory=list)
     clipped: int = 0  # steps whose gradient norm was over TrainConfig.grad_clip
+
+
+def _admit(
+    item: LearnerSpec | MLPReplacement, index: int, info: StreamInfo, seed: int, model: Any, device: str
+) -> tuple[LearnerSpec, MLPReplacement]:
+    """A learner's spec and its layer: a spec is built into a fresh layer (seeded by the run's seed and
+    its place in the list), a caller's layer is checked against the stream and described by a spec."""
+    if isinstance(item, MLPReplacement):
+        spec = LearnerSpec.of(item)
+        _check_given(item, spec, info)
+        return spec, item.to(device)
+    if item.init == "given":
+        raise ValueError(
+            f"{item.name}: init='given' means a layer built by the caller; pass the layer itself"
+        )
+    layer = build_layer(item, info, seed=seed * 7919 + index, device=device)
+    if item.init == "mlp":
+        if model is None:
+            raise ValueError(
+                f"{item.name}: init='mlp' needs the model (from a cache: give --model, the model the cache was made with)"
+            )
+        layer.copy_hidden_from_mlp(model, item.block)  # rescaled once the scales are known
+    return item, layer
 
 
 class Trainer(TrainingLoop):
@@ -211,11 +249,6 @@ class Trainer(TrainingLoop):
         device: str = "cpu",
         data_info: dict[str, Any] | None = None,
     ):
-        given = {i: item for i, item in enumerate(specs) if isinstance(item, MLPReplacement)}
-        specs = [LearnerSpec.of(item) if i in given else item for i, item in enumerate(specs)]
-        names = [spec.name for spec in specs]
-        if not specs or len(set(names)) != len(names):
-            raise ValueError(f"need one or more learners with distinct names, got {names}")
         self.source, self.config = source, config
         self.out_dir = Path(out_dir) if out_dir is not None else None
         self.progress, self.device = progress, torch.device(device)
@@ -233,29 +266,18 @@ class Trainer(TrainingLoop):
         self.dead_window = config.dead_window_for(self.total_tokens)
         self._check_budget()
         self.k_aux = config.k_aux if config.k_aux is not None else max(1, source.info.d_out // 2)
+        # Specs become layers here, once; from now on the trainer works on the layers.
+        admitted = [_admit(item, i, source.info, config.seed, model, device) for i, item in enumerate(specs)]
+        names = [spec.name for spec, _ in admitted]
+        if not admitted or len(set(names)) != len(names):
+            raise ValueError(f"need one or more learners with distinct names, got {names}")
         self.learners: dict[str, _Learner] = {}
-        for i, spec in enumerate(specs):
-            if spec.init == "given" and i not in given:
+        for spec, layer in admitted:
+            if config.aux_coefficient > 0 and self.k_aux > layer.cfg.d_sae - layer.cfg.k:
                 raise ValueError(
-                    f"{spec.name}: init='given' means a layer built by the caller; pass the layer itself"
+                    f"{spec.name}: k_aux={self.k_aux} exceeds the {layer.cfg.d_sae - layer.cfg.k} units "
+                    f"outside the TopK (d_sae={layer.cfg.d_sae}, k={layer.cfg.k}); lower k_aux"
                 )
-            if i in given:
-                layer = given[i]
-                _check_given(layer, spec, source.info)
-                layer.to(device)
-            else:
-                layer = build_layer(spec, source.info, seed=config.seed * 7919 + i, device=device)
-            if config.aux_coefficient > 0 and self.k_aux > layer.cfg.d_sae - spec.k:
-                raise ValueError(
-                    f"{spec.name}: k_aux={self.k_aux} exceeds the {layer.cfg.d_sae - spec.k} units outside "
-                    f"the TopK (d_sae={layer.cfg.d_sae}, k={spec.k}); lower k_aux"
-                )
-            if spec.init == "mlp":
-                if model is None:
-                    raise ValueError(
-                        f"{spec.name}: init='mlp' needs the model (from a cache: give --model, the model the cache was made with)"
-                    )
-                layer.copy_hidden_from_mlp(model, spec.block)  # rescaled once the scales are known
             # The fused Adam kernel is ~5x faster on CPU for tens of millions of parameters.
             # lr_scale: the learner's own rate relative to the run's, applied by the loop at every step
             scale = 1.0 if spec.lr is None else spec.lr / config.lr
@@ -266,7 +288,13 @@ class Trainer(TrainingLoop):
                 fused=True,
             )
             self.learners[spec.name] = _Learner(
-                spec, layer, optimizer, FiringTracker(layer.cfg.d_sae, device)
+                spec,
+                layer,
+                block=spec.block,
+                raw_scale={"given": "all", "mlp": "copied"}.get(spec.init),
+                normalize_decoder=spec.normalizes_decoder,
+                optimizer=optimizer,
+                firing=FiringTracker(layer.cfg.d_sae, device),
             )
         self.step = 0
         self.tokens_seen = 0
@@ -337,8 +365,8 @@ class Trainer(TrainingLoop):
         hi = (self.rank + 1) * self.config.batch_tokens // self.world
         last = {}
         for name, learner in self.learners.items():
-            x, y = batch[learner.spec.block]
-            s_in, s_out = self.scales[learner.spec.block]
+            x, y = batch[learner.block]
+            s_in, s_out = self.scales[learner.block]
             x, y = x[lo:hi].to(self.device), y[lo:hi].to(self.device)
             last[name] = self._train_step(learner, x * s_in, y * s_out)
         self.tokens_seen += self.config.batch_tokens
@@ -403,32 +431,32 @@ class Trainer(TrainingLoop):
                 break
         if not head:
             return iter(())
-        for layer in head[0]:
-            x = torch.cat([b[layer][0] for b in head]).double()
-            y = torch.cat([b[layer][1] for b in head]).double()
+        for block in head[0]:
+            x = torch.cat([b[block][0] for b in head]).double()
+            y = torch.cat([b[block][1] for b in head]).double()
             s_in = s_out = 1.0
             if cfg.normalize != "none":
                 s_in = float((x.shape[-1] / x.pow(2).sum(-1).mean()).sqrt())
             if cfg.normalize == "input_output":
                 s_out = float((y.shape[-1] / y.pow(2).sum(-1).mean()).sqrt())
             if not all(math.isfinite(s) and s > 0 for s in (s_in, s_out)):
-                raise FloatingPointError(f"layer {layer}: activation scales {s_in}, {s_out} are not usable")
-            self.scales[layer] = (s_in, s_out)
-            self.loss_scale[layer] = float(((y - y.mean(0)) * s_out).pow(2).sum(-1).mean())
+                raise FloatingPointError(
+                    f"block {block}: activation scales {s_in}, {s_out} are not usable; the stream's "
+                    "activations there are zero or not finite"
+                )
+            self.scales[block] = (s_in, s_out)
+            self.loss_scale[block] = float(((y - y.mean(0)) * s_out).pow(2).sum(-1).mean())
         with torch.no_grad():
             for learner in self.learners.values():
-                if learner.spec.init == "given":  # built at raw scale: the same map on scaled activations
-                    learner.layer.fold_activation_scales(*(1 / s for s in self.scales[learner.spec.block]))
-                if learner.spec.init == "mlp":  # the host MLP reads raw x: on scaled x, E / s_in, D * s_out
-                    s_in, s_out = self.scales[learner.spec.block]
-                    learner.layer.W_in.div_(s_in)
-                    if learner.layer.cfg.hidden_form == "glu":
-                        learner.layer.W_in_gate.div_(s_in)
-                    learner.layer.W_out.mul_(s_out)
+                s_in, s_out = self.scales[learner.block]
+                if learner.raw_scale == "all":  # built at raw scale: the same map on scaled activations
+                    learner.layer.fold_activation_scales(1 / s_in, 1 / s_out)
+                elif learner.raw_scale == "copied":
+                    learner.layer.scale_copied_mlp(s_in, s_out)
         if cfg.init_b_dec == "target_mean":
             with torch.no_grad():
                 for learner in self.learners.values():
-                    L = learner.spec.block
+                    L = learner.block
                     mean = torch.cat([b[L][1] for b in head]).double().mean(0) * self.scales[L][1]
                     learner.layer.b_dec.copy_(mean.to(learner.layer.b_dec))
         return _chain(head, stream)
@@ -439,7 +467,7 @@ class Trainer(TrainingLoop):
         out = layer.training_forward_pass(
             x,
             y,
-            loss_scale=self.loss_scale[learner.spec.block],
+            loss_scale=self.loss_scale[learner.block],
             objective=cfg.objective,
             dead_mask=dead,
             k_aux=self.k_aux,
@@ -454,7 +482,7 @@ class Trainer(TrainingLoop):
                     p.grad = torch.zeros_like(p)
                 dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
                 p.grad.div_(self.world)
-        if learner.spec.normalizes_decoder:
+        if learner.normalize_decoder:
             _remove_parallel_grad(layer.W_dec)
         metrics = dict(out.metrics)
         # The norm before clipping (measured with clipping off too), and how many steps were clipped.
@@ -464,7 +492,7 @@ class Trainer(TrainingLoop):
         learner.clipped += cfg.grad_clip is not None and norm > cfg.grad_clip
         metrics.update(grad_norm=norm, clipped_steps=learner.clipped)
         learner.optimizer.step()
-        if learner.spec.normalizes_decoder:
+        if learner.normalize_decoder:
             _normalize_rows(layer.W_dec)
         with torch.no_grad():
             metrics.update(layer.after_step(out.values.detach(), out.indices))  # e.g. MxD's usage controller
@@ -482,21 +510,21 @@ class Trainer(TrainingLoop):
         layers = {}
         for name, learner in self.learners.items():
             layer = copy.deepcopy(learner.layer)
-            s_in, s_out = self.scales.get(learner.spec.block, (1.0, 1.0))
+            s_in, s_out = self.scales.get(learner.block, (1.0, 1.0))
             layer.fold_activation_scales(s_in, s_out)
             history = learner.history[-1] if learner.history else {}
             layer.cfg.metadata.mxd_lens_version = _version()
-            layer.cfg.metadata.training = {
-                "model": getattr(self.source, "model_source", None),
-                "config": asdict(self.config),
-                "learner": asdict(learner.spec),
-                "tokens": self.tokens_seen,
-                "steps": self.step,
-                "epochs": self.tokens_seen / self.epoch_tokens if self.epoch_tokens else None,
-                "normalization": {"input_scale": s_in, "output_scale": s_out, "folded": True},
-                "data": self.data_info,
-                "metrics": _metrics_only(history),
-            }
+            layer.cfg.metadata.training = TrainingRecord(
+                model=getattr(self.source, "model_source", None),
+                config=asdict(self.config),
+                learner=asdict(learner.spec),
+                tokens=self.tokens_seen,
+                steps=self.step,
+                epochs=self.tokens_seen / self.epoch_tokens if self.epoch_tokens else None,
+                normalization={"input_scale": s_in, "output_scale": s_out, "folded": True},
+                data=self.data_info,
+                metrics=_metrics_only(history),
+            ).to_dict()
             layers[name] = layer
         return layers
 
@@ -524,6 +552,9 @@ class Trainer(TrainingLoop):
                 spec["block"] = spec.pop("layer")
             spec.setdefault("options", {})  # written before LearnerSpec.options
             spec.setdefault("lr", None)  # and LearnerSpec.lr
+        stream = (saved.get("data") or {}).get("stream")
+        if isinstance(stream, dict):  # written before StreamInfo.layers became blocks
+            saved["data"]["stream"] = upgrade_stream_record(stream)
         return saved
 
     def write_state(self, folder: Path) -> None:
@@ -565,10 +596,7 @@ class Trainer(TrainingLoop):
         identity: dict[str, Any] = {"stream": asdict(source.info), "text": self.data_info}
         if isinstance(source, CachedActivations):
             records = source.records or {}
-            sums = [
-                records.get(f"block_{i:06d}.safetensors", {}).get("blake2b_256")
-                for i in range(source.n_blocks)
-            ]
+            sums = [records.get(source.shard_name(i), {}).get("blake2b_256") for i in range(source.n_blocks)]
             identity.update(
                 kind="cache",
                 # the shards' recorded checksums: two caches of other content differ here even when
@@ -654,8 +682,8 @@ def _version() -> str:
 
 def _check_given(layer: MLPReplacement, spec: LearnerSpec, info: StreamInfo) -> None:
     """A caller's layer must fit the stream: its block, widths and model."""
-    if spec.block not in info.layers:
-        raise ValueError(f"{spec.name}: the stream holds blocks {info.layers}, not {spec.block}")
+    if spec.block not in info.blocks:
+        raise ValueError(f"{spec.name}: the stream holds blocks {info.blocks}, not {spec.block}")
     if (layer.cfg.d_in, layer.cfg.d_out) != (info.d_in, info.d_out):
         raise ValueError(
             f"{spec.name}: the layer maps {layer.cfg.d_in} -> {layer.cfg.d_out}, the stream {info.d_in} -> {info.d_out}"

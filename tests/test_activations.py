@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -40,7 +41,9 @@ def finite_rows(n: int, seed: int = 0, context: int = 12):
 
 def test_blocks_hold_each_layers_exact_mlp_io_without_bos():
     model = make_model("parallel")
-    source = ModelActivations(model, [2, 0], random_rows(), context_size=12, rows_per_block=6, forward_rows=4)
+    source = ModelActivations(
+        model, [2, 0], random_rows(), context_size=12, rows_per_block=6, rows_per_forward=4
+    )
     block = next(source.blocks())
     tokens = torch.stack([row for _, row in zip(range(6), random_rows()(), strict=False)])
     with mxd_lens.capture_mlp_io(model, [0, 2]) as io:
@@ -263,9 +266,9 @@ def test_cache_files_get_the_mode_open_would_give_and_no_temporary_is_left(tmp_p
     names = sorted(p.name for p in tmp_path.iterdir())
     assert names == [
         ".lock",
-        "block_000000.safetensors",
-        "block_000001.safetensors",
         "manifest.json",
+        "shard_000000.safetensors",
+        "shard_000001.safetensors",
         "shards.jsonl",
     ]
     for name in names:
@@ -274,14 +277,14 @@ def test_cache_files_get_the_mode_open_would_give_and_no_temporary_is_left(tmp_p
 
 def test_a_missing_middle_shard_is_an_error_naming_it_and_a_rerun_restores_it(caches):
     source, orig, path = caches
-    (path / "block_000001.safetensors").unlink()
+    (path / "shard_000001.safetensors").unlink()
     with pytest.raises(
         CacheError,
-        match=r"block_000001\.safetensors is missing \(recorded as written, later shards are present\)",
+        match=r"shard_000001\.safetensors is missing \(recorded as written, later shards are present\)",
     ):
         CachedActivations(path)  # not a cache of 1 block
-    (path / "block_000003.safetensors").unlink()  # the last one, recorded as written
-    with pytest.raises(CacheError, match=r"(?s)block_000001.*block_000003\.safetensors is missing.*re-run"):
+    (path / "shard_000003.safetensors").unlink()  # the last one, recorded as written
+    with pytest.raises(CacheError, match=r"(?s)shard_000001.*shard_000003\.safetensors is missing.*re-run"):
         CachedActivations(path)
     write_cache(source, path, n_blocks=4, progress=False)
     _same_blocks(CachedActivations(orig), CachedActivations(path))
@@ -289,42 +292,42 @@ def test_a_missing_middle_shard_is_an_error_naming_it_and_a_rerun_restores_it(ca
 
 def test_a_truncated_shard_is_a_cache_error_naming_it_and_a_rerun_restores_it(caches):
     source, orig, path = caches
-    shard = path / "block_000002.safetensors"
+    shard = path / "shard_000002.safetensors"
     data = shard.read_bytes()
     shard.write_bytes(data[: len(data) // 2])
     with pytest.raises(
-        CacheError, match=r"block_000002\.safetensors has 11,\d+ bytes, but 22,\d+ were written"
+        CacheError, match=r"shard_000002\.safetensors has 11,\d+ bytes, but 22,\d+ were written"
     ):
         CachedActivations(path)
     shard.write_bytes(data)
     cache = CachedActivations(path)
     shard.write_bytes(data[:-100])  # cut short after the cache was opened: found when read
-    with pytest.raises(CacheError, match=r"block_000002\.safetensors .*truncated.*re-run `mxd-lens cache`"):
+    with pytest.raises(CacheError, match=r"shard_000002\.safetensors .*truncated.*re-run `mxd-lens cache`"):
         cache.read(2, 0, 10)
-    with pytest.raises(CacheError, match="block_000002"):
+    with pytest.raises(CacheError, match="shard_000002"):
         list(cache.blocks())
-    with pytest.warns(UserWarning, match=r"block_000002\.safetensors has .* bytes.*; recomputing it"):
+    with pytest.warns(UserWarning, match=r"shard_000002\.safetensors has .* bytes.*; recomputing it"):
         write_cache(source, path, n_blocks=4, progress=False)
     _same_blocks(CachedActivations(orig), CachedActivations(path))
 
 
 def test_overwritten_bytes_inside_a_shard_are_caught_by_its_checksum(caches):
     source, orig, path = caches
-    shard = path / "block_000001.safetensors"
+    shard = path / "shard_000001.safetensors"
     data = bytearray(shard.read_bytes())
     middle = len(data) // 2
     data[middle - 2048 : middle + 2048] = bytes(b ^ 0x5A for b in data[middle - 2048 : middle + 2048])
     shard.write_bytes(bytes(data))  # same size, still a valid safetensors file: only the checksum knows
     cache = CachedActivations(path)
     cache.read(0)  # the other shards read fine
-    with pytest.raises(CacheError, match=r"block_000001\.safetensors does not match the checksum.*re-run"):
+    with pytest.raises(CacheError, match=r"shard_000001\.safetensors does not match the checksum.*re-run"):
         cache.read(1, 0, 5)
-    with pytest.raises(CacheError, match="block_000001"):  # training reads it: stops, naming the shard
+    with pytest.raises(CacheError, match="shard_000001"):  # training reads it: stops, naming the shard
         _take(shuffled_batches(CachedActivations(path), 88, seed=0), 4)  # one epoch
     problems = cache.verify()
-    assert len(problems) == 1 and "block_000001.safetensors does not match the checksum" in problems[0]
+    assert len(problems) == 1 and "shard_000001.safetensors does not match the checksum" in problems[0]
     with pytest.warns(
-        UserWarning, match=r"block_000001\.safetensors does not match the checksum.*recomputing"
+        UserWarning, match=r"shard_000001\.safetensors does not match the checksum.*recomputing"
     ):
         write_cache(source, path, n_blocks=4, progress=False)
     repaired = CachedActivations(path)
@@ -343,7 +346,7 @@ def test_a_shard_is_checksummed_once_per_process(caches, monkeypatch):
     for _ in range(3):
         cache.read(2, 0, 4)
         list(cache.blocks(start=3))
-    assert calls == ["block_000002.safetensors", "block_000003.safetensors"]
+    assert calls == ["shard_000002.safetensors", "shard_000003.safetensors"]
 
 
 def test_a_cache_written_before_checksums_opens_with_a_warning_and_a_rerun_records_them(caches):
@@ -352,18 +355,18 @@ def test_a_cache_written_before_checksums_opens_with_a_warning_and_a_rerun_recor
     with pytest.warns(UserWarning, match="4 shard.*no checksum record.*written before records"):
         cache = CachedActivations(path)
     _same_blocks(CachedActivations(orig), cache)
-    shard = path / "block_000003.safetensors"
+    shard = path / "shard_000003.safetensors"
     shard.write_bytes(shard.read_bytes()[:-64])
     with (
         pytest.warns(UserWarning),
         pytest.raises(
-            CacheError, match=r"block_000003\.safetensors is not a readable safetensors file \(truncated"
+            CacheError, match=r"shard_000003\.safetensors is not a readable safetensors file \(truncated"
         ),
     ):
         CachedActivations(path).read(3)
     with (
         pytest.warns(UserWarning, match="before shards had checksums: its 3 shards"),
-        pytest.warns(UserWarning, match=r"block_000003\.safetensors is not a readable .*; recomputing it"),
+        pytest.warns(UserWarning, match=r"shard_000003\.safetensors is not a readable .*; recomputing it"),
     ):
         write_cache(source, path, n_blocks=4, progress=False)  # block 3 recomputed, 0..2 recorded
     assert (path / "shards.jsonl").read_text().count("\n") == 4
@@ -378,9 +381,9 @@ def test_a_shard_renamed_but_not_yet_recorded_is_kept(caches):
     records.write_text("".join(lines[:3]) + lines[3][:20])  # and the last append cut short
     with pytest.warns(UserWarning, match="1 shard.*an interrupted write"):
         CachedActivations(path)
-    before = (path / "block_000003.safetensors").stat().st_ino
+    before = (path / "shard_000003.safetensors").stat().st_ino
     write_cache(source, path, n_blocks=4, progress=False)
-    assert (path / "block_000003.safetensors").stat().st_ino == before  # kept, not recomputed
+    assert (path / "shard_000003.safetensors").stat().st_ino == before  # kept, not recomputed
     assert records.read_text() == "".join(lines)
     records.write_text("".join(lines[:1]) + "garbage\n" + "".join(lines[1:]))
     with pytest.raises(CacheError, match=r"shards\.jsonl: line 2 is not a shard record"):
@@ -424,17 +427,43 @@ def test_cli_verify_reports_a_damaged_cache_and_writes_nothing(caches, capsys):
     assert "4 shards, 352 tokens, every shard intact" in capsys.readouterr().out
     assert main(["cache", "--verify", "--shards", "6", "--out", str(path)]) == 1
     assert "holds 4 of the 6 shards asked for" in capsys.readouterr().out
-    shard = path / "block_000002.safetensors"
+    shard = path / "shard_000002.safetensors"
     data = bytearray(shard.read_bytes())
     data[-4096:] = bytes(4096)
     shard.write_bytes(bytes(data))
     listing = sorted((p.name, p.stat().st_mtime_ns) for p in path.iterdir())
     assert main(["cache", "--verify", "--out", str(path)]) == 1
     out = capsys.readouterr().out
-    assert "block_000002.safetensors does not match the checksum" in out and "re-run `mxd-lens cache`" in out
+    assert "shard_000002.safetensors does not match the checksum" in out and "re-run `mxd-lens cache`" in out
     assert sorted((p.name, p.stat().st_mtime_ns) for p in path.iterdir()) == listing
     shard.unlink()
     assert main(["cache", "--verify", "--out", str(path)]) == 1
-    assert "block_000002.safetensors is missing" in capsys.readouterr().out
+    assert "shard_000002.safetensors is missing" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="--blocks .* and --shards .* are required"):
         main(["cache", "--out", str(path)])
+
+
+def _as_written_before_shards_were_named_shards(path) -> None:
+    """Give a cache the names an older version wrote: block_*.safetensors files and records, and
+    the manifest's stream record with ``layers`` for ``blocks``."""
+    for shard in path.glob("shard_*.safetensors"):
+        shard.rename(path / shard.name.replace("shard_", "block_"))
+    records = path / "shards.jsonl"
+    records.write_text(records.read_text().replace('"shard_0', '"block_0'))
+    manifest = json.loads((path / "manifest.json").read_text())
+    manifest["stream"] = {("layers" if k == "blocks" else k): v for k, v in manifest["stream"].items()}
+    (path / "manifest.json").write_text(json.dumps(manifest))
+
+
+def test_a_cache_written_before_the_rename_reads_and_extends_under_its_old_names(tmp_path):
+    new = CachedActivations(write_cache(_integrity_source(), tmp_path / "new", n_blocks=4, progress=False))
+    write_cache(_integrity_source(), tmp_path / "old", n_blocks=2, progress=False)
+    _as_written_before_shards_were_named_shards(tmp_path / "old")
+    assert not list((tmp_path / "old").glob("shard_*"))
+    # Extending it keeps its names (checking, not recomputing, the two shards already there).
+    old = CachedActivations(write_cache(_integrity_source(), tmp_path / "old", n_blocks=4, progress=False))
+    assert sorted(p.name for p in (tmp_path / "old").glob("*.safetensors")) == [
+        f"block_{i:06d}.safetensors" for i in range(4)
+    ]
+    assert old.n_blocks == new.n_blocks == 4 and not old.unrecorded and old.verify(progress=False) == []
+    _same_blocks(old, new)

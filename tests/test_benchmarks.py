@@ -27,7 +27,7 @@ def test_train_throughput_runs_on_a_tiny_model_and_reports_three_ratios(capsys):
 
     result = train_throughput.run(
         ["--tokens", "128", "--batch-tokens", "64", "--context-size", "16", "--rows-per-block", "8"]
-        + ["--forward-rows", "8", "--n-layers", "2", "--d-model", "32", "--d-mlp", "64", "--n-heads", "2"]
+        + ["--rows-per-forward", "8", "--n-layers", "2", "--d-model", "32", "--d-mlp", "64", "--n-heads", "2"]
         + ["--d-vocab", "100", "--layer", "1", "--k", "4", "--m", "4"]
     )
     ratios = result["ratios"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -432,3 +433,62 @@ def test_two_ddp_ranks_equal_one_process_on_the_same_global_batch(tmp_path, cach
             torch.testing.assert_close(
                 ddp_weights[name][key], single[name][key], rtol=1e-4, atol=1e-5, msg=f"{name}.{key}"
             )
+
+
+def test_a_warm_start_on_scaled_activations_computes_the_host_hidden_layer(tmp_path):
+    """After the scales are known, the copied hidden layer reads s_in x and writes s_out times the
+    host MLP's hidden output (z D), brute-forced from the host's weights."""
+    live = source("gated")
+    trainer = Trainer(
+        [LearnerSpec("mxd", 1, k=4, init="mlp")],
+        live,
+        config(total_tokens=64 * 2, lr=1e-12),
+        model=live.model,
+        progress=False,
+    )
+    learner = trainer.learners["L1.mxd.k4.m8.init-mlp"]
+    batch = next(iter(trainer.batch_stream()))  # the scales are estimated on the first batches
+    s_in, s_out = trainer.scales[1]
+    mlp = live.model.blocks[1].mlp
+    x = batch[1][0][:8].double()
+    phi = learner.layer.phi
+    host = (phi(x @ mlp.W_gate.double()) * (x @ mlp.W_in.double())) @ mlp.W_out.double()
+    layer = learner.layer.double()
+    torch.testing.assert_close(layer.hidden(s_in * x) @ layer.W_out, s_out * host)
+
+
+def test_a_warm_start_into_a_layer_without_a_dense_path_is_refused():
+    with pytest.raises(ValueError, match="init='default'"):
+        LearnerSpec("transcoder", 1, k=4, init="mlp")
+
+
+def test_a_cache_written_before_the_rename_trains_as_its_renamed_copy(tmp_path):
+    """Old shard names (block_*.safetensors, and in shards.jsonl) train to the same weights as the
+    same cache under today's names."""
+    from test_activations import _as_written_before_shards_were_named_shards
+
+    write_cache(source(), tmp_path / "new", n_blocks=4, progress=False)
+    write_cache(source(), tmp_path / "old", n_blocks=4, progress=False)
+    _as_written_before_shards_were_named_shards(tmp_path / "old")
+    cfg = config(total_tokens=64 * 10, norm_tokens=64 * 2, checkpoint_every=5)
+    for name in ("new", "old"):
+        Trainer(
+            SPECS[:2], CachedActivations(tmp_path / name), cfg, tmp_path / f"run_{name}", progress=False
+        ).fit()
+    assert_identical(final_weights(tmp_path / "run_new"), final_weights(tmp_path / "run_old"))
+    # A checkpoint written before StreamInfo.layers became blocks resumes (and on the old cache, whose
+    # content identity reads the old records): its last five steps are redone to the same weights.
+    checkpoints = tmp_path / "run_old" / "checkpoints"
+    shutil.rmtree(checkpoints / "step_000000010")
+    (checkpoints / "latest").write_text("step_000000005")
+    state_path = checkpoints / "step_000000005" / "trainer_state.json"
+    state = json.loads(state_path.read_text())
+    stream = state["data"]["stream"]
+    state["data"]["stream"] = {("layers" if k == "blocks" else k): v for k, v in stream.items()}
+    state_path.write_text(json.dumps(state))
+    trainer = Trainer(
+        SPECS[:2], CachedActivations(tmp_path / "old"), cfg, tmp_path / "run_old", progress=False
+    )
+    trainer.fit(resume=True)
+    assert trainer.step == 10
+    assert_identical(final_weights(tmp_path / "run_new"), final_weights(tmp_path / "run_old"))

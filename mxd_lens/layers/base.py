@@ -169,6 +169,22 @@ class MLPReplacement(SAE[C]):
     """True when ``after_step`` reads ``self.pre_moments``: the per-unit mean and mean square of
     x W_enc + b_enc over the last training batch (MxD's gate standardisation)."""
 
+    copies_host_mlp: bool = False
+    """True when the layer has a dense path that ``copy_hidden_from_mlp`` can set to the host MLP's
+    weights (a trainer's ``init="mlp"`` warm start; MxD's hidden layer)."""
+
+    def copy_hidden_from_mlp(self, model: Any, block: int) -> MLPReplacement:
+        """Set the layer's dense path to block ``block``'s MLP weights (where ``copies_host_mlp``)."""
+        raise ValueError(
+            f"{type(self).__name__} has no dense path to copy the host MLP into; use init='default'"
+        )
+
+    @torch.no_grad()
+    def scale_copied_mlp(self, input_scale: float, output_scale: float) -> None:
+        """In place: the parts ``copy_hidden_from_mlp`` set, which read the raw MLP input and write at
+        the raw output scale, made to read ``input_scale * x`` and write ``output_scale * y`` (how a
+        trainer on normalised activations uses a warm start). Nothing to do by default."""
+
     @torch.no_grad()
     def after_step(self, values: torch.Tensor, indices: torch.Tensor) -> dict[str, float]:
         """Called by the trainer after each optimiser step with that step's codes (values, indices

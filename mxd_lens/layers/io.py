@@ -10,6 +10,7 @@ from sae_lens.constants import SAE_CFG_FILENAME, SAE_WEIGHTS_FILENAME
 from safetensors import safe_open
 
 from mxd_lens.layers.base import MLPReplacement
+from mxd_lens.records import TrainingRecord
 
 
 def load_layer(path: str | Path, device: str = "cpu", dtype: str | None = None) -> MLPReplacement:
@@ -107,7 +108,8 @@ def describe_layer(folder: str | Path) -> Any:
             f"{path / SAE_CFG_FILENAME} is not valid JSON (truncated or damaged?): {err}"
         ) from None
     meta = cfg.get("metadata") or {}
-    training = meta.get("training") or {}
+    saved_training = meta.get("training")
+    training = TrainingRecord.from_dict(saved_training)
     evaluation = meta.get("evaluation") or {}
     rows: list[tuple[str, Any]] = [
         ("architecture", cfg.get("architecture")),
@@ -117,23 +119,23 @@ def describe_layer(folder: str | Path) -> Any:
         ("hooks", f"{meta.get('hook_name')} -> {meta.get('hook_name_out')}"),
         ("mxd-lens version", meta.get("mxd_lens_version")),
     ]
-    source = training.get("model") or {}
+    source = training.model_source
     for key in ("name", "kind", "sha256", "revision", "config_sha256"):
         if key in source:
             rows.append((f"model source: {key}", source[key]))
-    data = training.get("data") or {}
+    data = training.text
     if data:
         rows.append(("training text", f"{data.get('text')} ({data.get('split')} side, eval fraction "
                                        f"{data.get('eval_fraction')}, split seed {data.get('split_seed')})"))  # fmt: skip
         for name, digest in (data.get("digests") or {}).items():
             rows.append((f"digest of {name}", digest))
-    if training:
-        rows += [("tokens seen", f"{training.get('tokens', 0):,}"), ("steps", training.get("steps")),
-                 ("epochs", None if training.get("epochs") is None else f"{training['epochs']:.2f}")]  # fmt: skip
-        for key, value in (training.get("config") or {}).items():
+    if saved_training:
+        rows += [("tokens seen", f"{training.tokens:,}"), ("steps", training.steps),
+                 ("epochs", None if training.epochs is None else f"{training.epochs:.2f}")]  # fmt: skip
+        for key, value in (training.config or {}).items():
             if value is not None:
                 rows.append((f"train: {key}", value))
-        for key, value in (training.get("metrics") or {}).items():
+        for key, value in (training.metrics or {}).items():
             rows.append((f"last training {key}", f"{value:.4g}"))
     evaluations = meta.get("evaluations") or ([evaluation] if evaluation else [])
     for number, record in enumerate(evaluations, start=1):

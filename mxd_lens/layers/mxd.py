@@ -216,6 +216,17 @@ class MxD(MLPReplacement[MxDConfig]):
         if self.cfg.hidden_form == "glu":
             self.W_in_gate.mul_(input_scale)
 
+    copies_host_mlp = True
+
+    @torch.no_grad()
+    def scale_copied_mlp(self, input_scale: float, output_scale: float) -> None:
+        # The host MLP reads raw x and writes raw y: on s_in x, E / s_in; to write s_out y, D * s_out.
+        self.W_in.div_(input_scale)
+        if self.cfg.hidden_form == "glu":
+            self.W_in_gate.div_(input_scale)
+        self.W_out.mul_(output_scale)
+        self._stash = None
+
     def expert_weights(self, n: int) -> torch.Tensor:
         """W_n = D diag(c_n) [d_hidden, d_out]: expert n as the linear map it applies to z."""
         return self.W_out * self.W_dec[n]

@@ -27,7 +27,7 @@ class EvalOptions:
     """held-out tokens"""
     context_size: int = StreamConfig.context_size
     """tokens per row, BOS included"""
-    batch_rows: int = 8
+    rows_per_forward: int = 8
     """rows per evaluation forward"""
     eval_fraction: float | None = None
     """the split's eval fraction (default: the layers' training record, else StreamConfig's)"""

@@ -89,12 +89,13 @@ def evaluate_saved(model: Any, config: EvalOptions, progress: bool = True) -> li
     from mxd_lens.evaluation import check_disjoint, evaluate, held_out_batches
     from mxd_lens.layers.io import layer_folders, load_layer
     from mxd_lens.models import model_identity, model_source
+    from mxd_lens.records import TrainingRecord
 
     if config.eval_tokens <= 0:
         raise ValueError(f"--eval-tokens {config.eval_tokens}: evaluate at least one row of tokens")
     paths = layer_folders(config.layers)
     layers = {path.name: load_layer(path) for path in paths}
-    trained = [(layer.cfg.metadata.training or {}).get("data") or {} for layer in layers.values()]
+    trained = [TrainingRecord.of(layer).text for layer in layers.values()]
     first = trained[0]
     text = config.text or _recorded_text(first, paths[0]) or str(data.default_text())
     same_text = config.text is None and first.get("text")
@@ -114,7 +115,7 @@ def evaluate_saved(model: Any, config: EvalOptions, progress: bool = True) -> li
     if not config.allow_other_model:
         here = model_identity(model_source(model))
         for name, layer in layers.items():
-            recorded = (layer.cfg.metadata.training or {}).get("model") or {}
+            recorded = TrainingRecord.of(layer).model_source
             if "kind" in recorded and model_identity(recorded) != here:
                 raise ValueError(
                     f"{name} was trained on {model_identity(recorded)}, but the model given is {here}: "
@@ -122,7 +123,7 @@ def evaluate_saved(model: Any, config: EvalOptions, progress: bool = True) -> li
                     "on, or pass --allow-other-model to evaluate anyway (the record then names this model)"
                 )
     batches = held_out_batches(model, text, config.split, config.eval_tokens, config.context_size,
-                               config.batch_rows, fraction, seed)  # fmt: skip
+                               config.rows_per_forward, fraction, seed)  # fmt: skip
     rows = evaluate(model, layers, batches, progress=progress)
     if config.write:
         try:

@@ -42,7 +42,7 @@ class FrontierConfig:
     )
     """gradient norm limit per learner (none: off)"""
     rows_per_block: int = StreamConfig.rows_per_block  # token rows per cache shard
-    eval_batch_rows: int = 8  # token rows per evaluation forward
+    eval_rows_per_forward: int = 8  # token rows per evaluation forward
     eval_fraction: float = StreamConfig.eval_fraction  # documents of text held out as its 'eval' side
     split_seed: int = StreamConfig.split_seed  # seed of that document split
     seed: int = 0  # seed of the layers and points with no @SEED

@@ -30,7 +30,14 @@ import numpy as np
 import torch
 
 from mxd_lens import data
-from mxd_lens.activations import MANIFEST, CachedActivations, ModelActivations, StreamConfig, write_cache
+from mxd_lens.activations import (
+    MANIFEST,
+    CachedActivations,
+    ModelActivations,
+    StreamConfig,
+    StreamInfo,
+    write_cache,
+)
 from mxd_lens.evaluation import check_disjoint, evaluate, held_out_batches
 from mxd_lens.fileio import atomic_write_text
 from mxd_lens.layers import arch_label
@@ -45,9 +52,9 @@ def eval_batches(model: Any, config: FrontierConfig) -> list[torch.Tensor]:
     """Held-out [rows, context] token batches: the 'eval' side of the split, ``eval_tokens`` in all."""
     if config.eval_text is not None:
         return held_out_batches(model, config.eval_text, "all", config.eval_tokens, config.context_size,
-                                config.eval_batch_rows)  # fmt: skip
+                                config.eval_rows_per_forward)  # fmt: skip
     return held_out_batches(model, config.text, "eval", config.eval_tokens, config.context_size,
-                            config.eval_batch_rows, config.eval_fraction, config.split_seed)  # fmt: skip
+                            config.eval_rows_per_forward, config.eval_fraction, config.split_seed)  # fmt: skip
 
 
 def write_frontier_cache(
@@ -58,7 +65,10 @@ def write_frontier_cache(
     cache = Path(config.cache) if config.cache else out / "cache"
     blocks = config.all_blocks
     if (cache / MANIFEST).is_file():  # a shared cache may hold more blocks than this study needs
-        blocks = sorted(set(blocks) | set(json.loads((cache / MANIFEST).read_text())["stream"]["layers"]))
+        blocks = sorted(
+            set(blocks)
+            | set(StreamInfo.from_dict(json.loads((cache / MANIFEST).read_text())["stream"]).blocks)
+        )
     stream_config = StreamConfig(
         text=config.text,
         **{k: getattr(config, k) for k in ("context_size", "rows_per_block", "eval_fraction", "split_seed")},
@@ -93,7 +103,8 @@ def run_frontier(
         eval_info = {**text_info, "split": "eval"}
     eval_key = {
         "model": model.cfg.model_name,
-        **{k: getattr(config, k) for k in ("eval_text", "eval_tokens", "context_size", "eval_batch_rows")},
+        **{k: getattr(config, k) for k in ("eval_text", "eval_tokens", "context_size")},
+        "eval_batch_rows": config.eval_rows_per_forward,  # its recorded name: earlier evaluations still match
         **(
             {"ood_text": config.ood_text, "ood_eval_tokens": config.ood_eval_tokens}
             if config.ood_text
@@ -139,7 +150,7 @@ def run_frontier(
             if ood_batches is None:
                 ood_batches = held_out_batches(model, config.ood_text, "all",
                                                config.ood_eval_tokens or config.eval_tokens,
-                                               config.context_size, config.eval_batch_rows)  # fmt: skip
+                                               config.context_size, config.eval_rows_per_forward)  # fmt: skip
             for row, ood in zip(rows, evaluate(model, layers, ood_batches, progress=progress), strict=True):
                 row.update({f"ood_{key}": value for key, value in ood.items() if key not in _IDENTITY})
         for row in rows:

@@ -31,6 +31,7 @@ def run(model: Any, options: ProbeOptions, out: Path, task_sets: Sequence[Any] |
     from mxd_lens.analysis.probing import NEURONS, layer_method, run_probing
     from mxd_lens.layers import arch_label
     from mxd_lens.layers.io import load_layers
+    from mxd_lens.records import TrainingRecord
 
     layers = load_layers(options.layers)
     data = options.data or tasks.bundled_data()
@@ -58,7 +59,7 @@ def run(model: Any, options: ProbeOptions, out: Path, task_sets: Sequence[Any] |
     record = {
         "study": asdict(options),
         "model": model.cfg.model_name,
-        "layers": {name: (layer.cfg.metadata.training or {}).get("tokens") for name, layer in layers.items()},
+        "layers": {name: TrainingRecord.of(layer).tokens for name, layer in layers.items()},
         "task_sets": [{"name": s.name, "classes": s.classes, "per_class": s.per_class, "binary": s.binary,
                        "family": s.family} for s in task_sets],
     }  # fmt: skip
