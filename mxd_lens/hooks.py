@@ -120,8 +120,7 @@ def check_fits(model: HookedTransformer, layer: MLPReplacement[Any], index: int)
     if trained_on and trained_on != model.cfg.model_name:
         # One model loaded from another source (a .gguf and its Hugging Face folder) has another name
         # but the same architecture: the recorded shape decides, when the layer has one.
-        from mxd_lens.models import model_shape
-        from mxd_lens.records import TrainingRecord
+        from mxd_lens.records import TrainingRecord, model_shape
 
         recorded = TrainingRecord.of(layer).model_source.get("shape")
         if recorded is None or recorded != model_shape(model):

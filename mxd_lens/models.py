@@ -178,23 +178,7 @@ def _with_source(model: Any, name: str, source: dict[str, Any]) -> Any:
     return model
 
 
-SHAPE_FIELDS = (
-    "n_layers",
-    "d_model",
-    "d_mlp",
-    "n_heads",
-    "d_vocab",
-    "act_fn",
-    "gated_mlp",
-    "normalization_type",
-)
-
-
-def model_shape(model: Any) -> dict[str, Any]:
-    """The architecture's sizes and kinds (``cfg`` fields), the same for one model loaded from any
-    source (a .gguf, its Hugging Face folder, the hub): what splicing a layer into it needs."""
-    return {key: getattr(model.cfg, key, None) for key in SHAPE_FIELDS}
-
+from mxd_lens.records import SHAPE_FIELDS, model_shape  # noqa: E402, F401 (what splicing checks; re-exported)
 
 IDENTITY_FIELDS = ("kind", "sha256", "config_sha256", "repo_id", "revision", "tl_name")
 

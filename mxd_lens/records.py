@@ -50,3 +50,22 @@ class TrainingRecord:
     def text(self) -> dict[str, Any]:
         """The training text's record ({} when none was recorded)."""
         return self.data or {}
+
+
+# The model's shape: what a layer records of the model it was trained on, and what splicing it checks.
+SHAPE_FIELDS = (
+    "n_layers",
+    "d_model",
+    "d_mlp",
+    "n_heads",
+    "d_vocab",
+    "act_fn",
+    "gated_mlp",
+    "normalization_type",
+)
+
+
+def model_shape(model: Any) -> dict[str, Any]:
+    """The architecture's sizes and kinds (``cfg`` fields), the same for one model loaded from any
+    source (a .gguf, its Hugging Face folder, the hub): what splicing a layer into it needs."""
+    return {key: getattr(model.cfg, key, None) for key in SHAPE_FIELDS}

@@ -446,9 +446,9 @@ def run_probing(
 
 def layer_method(layer: MLPReplacement) -> str:
     """The layer's architecture key with its options (``mxd``, ``mxd:gate=topk``), as rows name it."""
-    from mxd_lens.training import LearnerSpec
+    from mxd_lens.layers.registry import layer_arch
 
-    return LearnerSpec.of(layer).method
+    return layer_arch(layer)
 
 
 def layer_sources(table: pd.DataFrame) -> dict[str, tuple[str, int]]:

@@ -110,6 +110,20 @@ def architecture_key(layer: Any) -> str:
     raise ValueError(f"{cls.__name__} is not a registered architecture; call register_architecture first")
 
 
+def layer_arch(layer: Any) -> str:
+    """The architecture key of a built layer with the options it was built with (its config's variant
+    fields that differ from their defaults), as ``parse_arch`` reads it: ``mxd``, ``mxd:gate=topk``."""
+    import dataclasses
+
+    defaults = {f.name: f.default for f in dataclasses.fields(layer.cfg)}
+    options = {
+        name: getattr(layer.cfg, name)
+        for name in getattr(layer.cfg, "variant_fields", ())
+        if getattr(layer.cfg, name) != defaults[name]
+    }
+    return format_arch(architecture_key(layer), options)
+
+
 def parse_arch(text: str) -> tuple[str, dict[str, Any]]:
     """``"KEY"`` or ``"KEY:field=value,field=value"`` as (key, options): an architecture with config
     fields set, e.g. ``"mxd:gate=topk,balance_rate=0.001"`` (what ``--arch`` and the frontier's
