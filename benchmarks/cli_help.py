@@ -13,20 +13,14 @@ import subprocess
 import sys
 import time
 
-COMMANDS = [
-    "",
-    "check",
-    "demo",
-    "cache",
-    "train",
-    "eval",
-    "info",
-    "probe",
-    "steer",
-    "inspect",
-    "publish",
-    "export",
-]
+def commands() -> list[str]:
+    """Every verb: the built-in commands and every registered study."""
+    from mxd_lens.cli import build_parser
+    from mxd_lens.studies import STUDIES
+
+    parser = build_parser(only="")  # the verbs without their options
+    sub = next(a for a in parser._actions if a.dest == "command")
+    return ["", *sorted(set(sub.choices) | set(STUDIES))]
 
 
 def best_of(argv: list[str], n: int = 3) -> float:
@@ -41,12 +35,12 @@ def best_of(argv: list[str], n: int = 3) -> float:
 def main() -> int:
     heavy = best_of([sys.executable, "-c", "import mxd_lens.layers"])
     print(f"reference: import mxd_lens.layers (torch, SAELens, TransformerLens) {heavy:.2f} s")
-    print(f"{'command':<28} {'seconds':>8} {'/ reference':>12}")
-    for command in COMMANDS:
+    print(f"{'command':<38} {'seconds':>8} {'/ reference':>12}")
+    for command in commands():
         argv = [sys.executable, "-m", "mxd_lens.cli", *([command] if command else []), "--help"]
         seconds = best_of(argv)
         print(
-            f"{'mxd-lens ' + (command + ' ' if command else '') + '--help':<28} {seconds:>8.2f} {seconds / heavy:>12.3f}"
+            f"{'mxd-lens ' + (command + ' ' if command else '') + '--help':<38} {seconds:>8.2f} {seconds / heavy:>12.3f}"
         )
     return 0
 
