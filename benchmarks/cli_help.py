@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 
+
 def commands() -> list[str]:
     """Every verb: the built-in commands and every registered study."""
     from mxd_lens.cli import build_parser
