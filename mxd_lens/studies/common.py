@@ -23,17 +23,11 @@ class Where:
 
 
 @dataclass
-class DemoWhere:
+class DemoWhere(Where):
     """The model and where to write."""
 
-    model: str | None = None
-    """model name or path (default: smollm2-135m)"""
-    tl_name: str | None = None
-    """for a .gguf file or folder: the TransformerLens official name whose architecture to build with"""
     out: str | None = None
     """output folder (default results/demo; results/demo-quick with --quick)"""
-    threads: int = 0
-    """torch CPU threads (0: torch's default, every core); on a shared machine, fewer"""
 
 
 @dataclass
