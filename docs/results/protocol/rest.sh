@@ -6,7 +6,8 @@
 # 2. A3: the standardised gate at study A's point; A0: study A's seed-0 layers again (for probing)
 # 3. probing of those layers under both protocols with the neuron baseline (probe.sh)
 # 4. C: block 15 at K = 16 and 64
-# 5. the steering sweep on the A0 layers (steer.sh)
+# 5. the steering sweep on the A0 layers and the standardised-gate MxD (steer.sh)
+# 6. D: the standardised gate at blocks 5 and 25 and block 15's second seed
 set -euo pipefail
 cd "$(dirname "$0")"
 mkdir -p ../../../results
@@ -16,3 +17,4 @@ bash chain.sh A3 A0
 bash probe.sh
 bash chain.sh C
 bash steer.sh
+bash chain.sh D
