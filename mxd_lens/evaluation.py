@@ -48,7 +48,7 @@ from mxd_lens import hooks
 from mxd_lens.firing import FiringTracker
 from mxd_lens.jacobian import jacobian_cosine
 from mxd_lens.layers.base import MLPReplacement
-from mxd_lens.records import TrainingRecord
+from mxd_lens.records import TextRecord, TrainingRecord
 
 
 def evaluate(
@@ -314,47 +314,51 @@ def _default_name(layer: MLPReplacement) -> str:
     return f"L{hooks.block_of(layer)}.{layer.cfg.architecture().removeprefix('mxd_lens.')}.k{layer.cfg.k}"
 
 
-def check_disjoint(train_info: Mapping[str, Any] | None, eval_info: Mapping[str, Any]) -> None:
+def check_disjoint(
+    train_info: TextRecord | Mapping[str, Any] | None, eval_info: TextRecord | Mapping[str, Any]
+) -> None:
     """Refuse evaluation text that may overlap a layer's training text.
 
-    Both infos are ``{"text": source, "split": "train"|"eval", "eval_fraction": f, "split_seed": s}``,
-    plus ``"digests": data.source_digests(source)`` where recorded (the trainer stores the first in
-    ``cfg.metadata.training["data"]``). The 'eval' side of the split the layer trained on (same
-    eval_fraction and split_seed) is always fine: the split is decided per document, so it shares no
-    document with the training side of any text. Otherwise the texts must not overlap: when both
-    record digests, no file content may be shared (the same file under another name or spelling
-    counts); without digests, the sources' resolved paths must differ and neither folder may hold
-    the other. A layer with no record gets a loud warning.
+    Both are :class:`~mxd_lens.records.TextRecord` values (or the JSON objects that store them: the
+    trainer's in ``cfg.metadata.training["data"]``): source, side of the split ("train" | "eval"),
+    ``eval_fraction``, ``split_seed`` and, where recorded, the digests of the files' content. The
+    'eval' side of the split the layer trained on (same eval_fraction and split_seed) is always fine:
+    the split is decided per document, so it shares no document with the training side of any text.
+    Otherwise the texts must not overlap: when both record digests, no file content may be shared (the
+    same file under another name or spelling counts); without digests, the sources' resolved paths
+    must differ and neither folder may hold the other. A layer with no record gets a loud warning.
     """
-    if not train_info:
+    train, held = (
+        i if isinstance(i, TextRecord) else TextRecord.from_dict(i) for i in (train_info, eval_info)
+    )
+    if not train:
         warnings.warn(
             "the layer records no training text, so overlap with the evaluation text cannot be ruled out",
             stacklevel=2,
         )
         return
-    same_split = all(train_info.get(k) == eval_info.get(k) for k in ("eval_fraction", "split_seed"))
-    if same_split and train_info.get("split") == "train" and eval_info.get("split") == "eval":
+    same_split = (train.eval_fraction, train.split_seed) == (held.eval_fraction, held.split_seed)
+    if same_split and train.split == "train" and held.split == "eval":
         return
-    train_digests, eval_digests = train_info.get("digests"), eval_info.get("digests")
-    if isinstance(train_digests, Mapping) and isinstance(eval_digests, Mapping):
-        shared = set(train_digests.values()) & set(eval_digests.values())
+    if train.digests is not None and held.digests is not None:
+        shared = set(train.digests.values()) & set(held.digests.values())
         if not shared:
-            if _paths_overlap(train_info.get("text"), eval_info.get("text")):
+            if _paths_overlap(train.text, held.text):
                 warnings.warn(
-                    f"the evaluation text {eval_info.get('text')!r} has the path of the layer's training "
+                    f"the evaluation text {held.text!r} has the path of the layer's training "
                     "text but other content (edited since?); overlap of documents cannot be ruled out",
                     stacklevel=2,
                 )
             return
-        names = sorted(name for name, digest in eval_digests.items() if digest in shared)
+        names = sorted(name for name, digest in held.digests.items() if digest in shared)
         overlap = f"holds the same content as the training text ({', '.join(names[:3])}"
         overlap += f" and {len(names) - 3} more)" if len(names) > 3 else ")"
-    elif _paths_overlap(train_info.get("text"), eval_info.get("text")):
+    elif _paths_overlap(train.text, held.text):
         overlap = "is (or holds, or is inside) the training text"
     else:
         return
     raise ValueError(
-        f"evaluation text {_describe(eval_info)} overlaps the training text {_describe(train_info)}: it "
+        f"evaluation text {held.describe()} overlaps the training text {train.describe()}: it "
         f"{overlap}; evaluate on the 'eval' split of the same source with the same eval_fraction and "
         "split_seed, or on other text"
     )
@@ -370,11 +374,6 @@ def _paths_overlap(train_text: Any, eval_text: Any) -> bool:
 
     a, b = (resolve_text(str(t)).resolve() for t in (train_text, eval_text))
     return a == b or (a.is_dir() and b.is_relative_to(a)) or (b.is_dir() and a.is_relative_to(b))
-
-
-def _describe(info: Mapping[str, Any]) -> str:
-    """An info without its digests (a folder's can be long)."""
-    return str({k: v for k, v in info.items() if k != "digests"})
 
 
 def held_out_batches(

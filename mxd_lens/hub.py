@@ -28,6 +28,7 @@ from typing import Any
 
 from mxd_lens.fileio import _umask
 from mxd_lens.layers.io import layer_folders, load_layer
+from mxd_lens.records import EvaluationRecord, TrainingRecord
 
 FILES = ("cfg.json", "sae_weights.safetensors")
 
@@ -105,28 +106,30 @@ def model_card(repo_id: str, layers: Sequence[tuple[str, dict[str, Any]]]) -> st
     models = sorted({cfg.get("metadata", {}).get("model_name") or "?" for _, cfg in layers})
     for sae_id, cfg in layers:
         meta = cfg.get("metadata", {})
-        training = meta.get("training") or {}
-        evaluation = meta.get("evaluation") or {}
-        metrics = evaluation.get("metrics") or {}
+        trained = "tokens" in (meta.get("training") or {})  # "—" for a layer without a training record
+        training = TrainingRecord.from_dict(meta.get("training"))
+        evaluations = EvaluationRecord.all_of(meta)
+        evaluation = evaluations[-1] if evaluations else None  # the latest
+        metrics = evaluation.metrics if evaluation else {}
         row = {
             "sae_id": f"`{sae_id}`",
             "architecture": cfg.get("architecture", "?").removeprefix("mxd_lens."),
             "hook (in -> out)": f"{meta.get('hook_name')} -> {meta.get('hook_name_out')}",
             "K": cfg.get("k"),
             "units": cfg.get("d_sae"),
-            "training tokens": f"{training['tokens']:,}" if "tokens" in training else "—",
+            "training tokens": f"{training.tokens:,}" if trained else "—",
         }
         for key, label, fmt in (("delta_ce", "ΔCE", "{:+.4f}"), ("kl", "KL", "{:.4f}"), ("fvu", "FVU", "{:.3f}"),
                                 ("l0", "L0", "{:.1f}"), ("dead_fraction", "dead", "{:.1%}"),
                                 ("ce_recovered_zero", "CE recovered (zero-abl.)", "{:.3f}")):  # fmt: skip
             row[label] = fmt.format(metrics[key]) if key in metrics else "—"
         rows.append(row)
-        data = training.get("data") or {}
-        if data:
-            notes.append(f"- `{sae_id}`: trained on the {data.get('split')} side of `{Path(str(data.get('text'))).name}` "
-                         f"(digests {', '.join(f'{k} {v}' for k, v in (data.get('digests') or {}).items())})"
-                         + (f"; evaluated on {evaluation.get('tokens', 0):,} held-out tokens of "
-                            f"`{Path(str((evaluation.get('text') or {}).get('text'))).name}`" if evaluation else "; not evaluated"))  # fmt: skip
+        text = training.text
+        if text:
+            notes.append(f"- `{sae_id}`: trained on the {text.split} side of `{text.file_name}` "
+                         f"(digests {', '.join(f'{k} {v}' for k, v in (text.digests or {}).items())})"
+                         + (f"; evaluated on {evaluation.tokens:,} held-out tokens of `{evaluation.text.file_name}`"
+                            if evaluation else "; not evaluated"))  # fmt: skip
     from huggingface_hub import ModelCard, ModelCardData
 
     table = pd.DataFrame(rows).to_markdown(index=False, disable_numparse=True)

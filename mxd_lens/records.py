@@ -1,16 +1,105 @@
-"""The training record a saved layer carries in ``cfg.metadata.training``, as a typed value.
+"""What a saved layer records about itself, as typed values: how it was trained
+(``cfg.metadata.training``, :class:`TrainingRecord`), on which text (:class:`TextRecord`), and each
+evaluation of it (``cfg.metadata.evaluations``, :class:`EvaluationRecord`).
 
-``cfg.json`` stores it as a plain JSON object (so ``SAE.load_from_disk`` and other tools read it as
-they always have); :class:`TrainingRecord` is how the library reads and writes it. A record saved by
-an older version lacks some keys: they read as None (``tokens`` and ``steps`` as 0 where absent).
+``cfg.json`` stores them as plain JSON objects (so ``SAE.load_from_disk`` and other tools read them as
+they always have); these classes are how the library reads them. A record saved by an older version
+lacks some keys: they read as None (``tokens`` as 0 where absent); unknown keys are ignored.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
+
+
+def _known(cls: type, saved: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The entries of ``saved`` that are fields of the dataclass ``cls``, without the None ones."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    return {k: v for k, v in (saved or {}).items() if k in names and v is not None}
+
+
+@dataclass(frozen=True)
+class TextRecord:
+    """A text a layer was trained or evaluated on, as the stream, the trainer and the evaluation record
+    it: the source as named (``mxd_lens.data.text_name``), its absolute path when local, the side of
+    the per-document split and the split's settings, and the digests of its files' content."""
+
+    text: str | None = None
+    path: str | None = None  # the absolute path of a local source, found when ``text`` is relative
+    split: str | None = None  # "train" or "eval"
+    eval_fraction: float | None = None
+    split_seed: int | None = None
+    digests: dict[str, str] | None = None  # {file: "sha256:..."} (``mxd_lens.data.source_digests``)
+
+    @classmethod
+    def from_dict(cls, saved: Mapping[str, Any] | None) -> TextRecord:
+        return cls(**_known(cls, saved))
+
+    def __bool__(self) -> bool:
+        """Whether anything was recorded."""
+        return self.text is not None or bool(self.digests)
+
+    @property
+    def file_name(self) -> str:
+        """The source's last path component (its name for a hub dataset)."""
+        return Path(str(self.text)).name
+
+    def describe(self) -> str:
+        """One line for people: the source, the side and the split's settings."""
+        return (f"{self.text} ({self.split} side, eval fraction {self.eval_fraction}, "
+                f"split seed {self.split_seed})")  # fmt: skip
+
+    def identity(self) -> tuple[Any, ...]:
+        """What makes two records the same text and side: the content (digests; the name when there are
+        none) and the split."""
+        import json
+
+        content = json.dumps(self.digests or self.text, sort_keys=True)
+        return (content, self.split, self.eval_fraction, self.split_seed)
+
+
+@dataclass(frozen=True)
+class EvaluationRecord:
+    """One evaluation of a layer spliced into its model (``mxd-lens eval``): the metrics, on which
+    text and side, how many tokens at which context size, the model's source, the library version."""
+
+    text: TextRecord = field(default_factory=TextRecord)
+    tokens: int = 0
+    context_size: int | None = None
+    metrics: dict[str, Any] = field(default_factory=dict)
+    model: dict[str, Any] | None = None
+    mxd_lens_version: str | None = None
+
+    @classmethod
+    def from_dict(cls, saved: Mapping[str, Any] | None) -> EvaluationRecord:
+        values = _known(cls, saved)
+        values["text"] = TextRecord.from_dict(values.get("text"))
+        return cls(**values)
+
+    def to_dict(self) -> dict[str, Any]:
+        """As ``cfg.json`` stores it (the text's unset fields left out)."""
+        record = dataclasses.asdict(self)
+        record["text"] = {k: v for k, v in record["text"].items() if v is not None}
+        return record
+
+    def key(self) -> tuple[Any, ...]:
+        """What makes two evaluations the same measurement: the text (by content) and its side, the
+        tokens and the context size; a new evaluation replaces an old one with the same key."""
+        return (*self.text.identity(), self.tokens, self.context_size)
+
+    @staticmethod
+    def all_of(metadata: Mapping[str, Any] | None) -> list[EvaluationRecord]:
+        """Every evaluation a layer's ``cfg.metadata`` records, oldest first: ``evaluations``, or the one
+        ``evaluation`` of a layer evaluated before there could be several."""
+        metadata = metadata or {}
+        saved = metadata.get("evaluations") or (
+            [metadata["evaluation"]] if metadata.get("evaluation") else []
+        )
+        return [EvaluationRecord.from_dict(record) for record in saved if record]
 
 
 @dataclass
@@ -30,9 +119,7 @@ class TrainingRecord:
     @classmethod
     def from_dict(cls, saved: Mapping[str, Any] | None) -> TrainingRecord:
         """The record ``saved`` holds (None or {}: a layer without one); unknown keys are ignored."""
-        known = {f.name for f in dataclasses.fields(cls)}
-        values = {k: v for k, v in (saved or {}).items() if k in known and v is not None}
-        return cls(**values)
+        return cls(**_known(cls, saved))
 
     @classmethod
     def of(cls, layer: Any) -> TrainingRecord:
@@ -47,9 +134,9 @@ class TrainingRecord:
         return self.model or {}
 
     @property
-    def text(self) -> dict[str, Any]:
-        """The training text's record ({} when none was recorded)."""
-        return self.data or {}
+    def text(self) -> TextRecord:
+        """The training text's record (empty, and false, when none was recorded)."""
+        return TextRecord.from_dict(self.data)
 
 
 # The model's shape: what a layer records of the model it was trained on, and what splicing it checks.

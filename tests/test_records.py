@@ -10,7 +10,7 @@ from sae_lens import SAE
 from test_training import SPECS, config, source
 
 from mxd_lens.layers.io import describe_layer, load_layer
-from mxd_lens.records import TrainingRecord
+from mxd_lens.records import EvaluationRecord, TextRecord, TrainingRecord
 from mxd_lens.training import Trainer
 
 
@@ -58,3 +58,26 @@ def test_a_saved_layer_with_an_old_record_loads_both_ways(tmp_path):
     torch.testing.assert_close(loaded(x), load_layer(folder)(x))
     table = describe_layer(folder)
     assert f"{record.tokens:,}" in table.to_string()
+
+
+def test_text_and_evaluation_records_read_what_cfg_json_stores():
+    text = {"text": "mxd_lens:resources/a.txt", "split": "eval", "eval_fraction": 0.05, "split_seed": 0,
+            "digests": {"a.txt": "sha256:00"}}  # fmt: skip
+    stored = {"metrics": {"kl": 0.01}, "text": text, "tokens": 640, "context_size": 128,
+              "model": {"kind": "hub", "name": "m"}, "mxd_lens_version": "0.2.0"}  # fmt: skip
+    record = EvaluationRecord.from_dict(stored)
+    assert record.to_dict() == stored and record.text == TextRecord.from_dict(text)
+    assert record.text.file_name == "a.txt" and "eval side" in record.text.describe()
+    # The same measurement is the same text content and side, tokens and context, whatever the name
+    renamed = {**stored, "text": {**text, "text": "/elsewhere/b.txt"}, "metrics": {"kl": 0.02}}
+    assert EvaluationRecord.from_dict(renamed).key() == record.key()
+    for change in ({"tokens": 320}, {"context_size": 64}, {"text": {**text, "split": "train"}},
+                   {"text": {**text, "digests": {"a.txt": "sha256:11"}}}):  # fmt: skip
+        assert EvaluationRecord.from_dict({**stored, **change}).key() != record.key(), change
+    # A layer evaluated before there could be several records one "evaluation"; none at all reads as []
+    assert EvaluationRecord.all_of({"evaluation": stored}) == [record]
+    assert EvaluationRecord.all_of({"evaluations": [stored, renamed], "evaluation": renamed})[1].metrics == {
+        "kl": 0.02
+    }
+    assert EvaluationRecord.all_of({}) == EvaluationRecord.all_of(None) == []
+    assert not TextRecord() and not TrainingRecord().text and TrainingRecord(data=text).text.split == "eval"

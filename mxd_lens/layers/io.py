@@ -10,7 +10,7 @@ from sae_lens.constants import SAE_CFG_FILENAME, SAE_WEIGHTS_FILENAME
 from safetensors import safe_open
 
 from mxd_lens.layers.base import MLPReplacement
-from mxd_lens.records import TrainingRecord
+from mxd_lens.records import EvaluationRecord, TrainingRecord
 
 
 def load_layer(path: str | Path, device: str = "cpu", dtype: str | None = None) -> MLPReplacement:
@@ -110,7 +110,6 @@ def describe_layer(folder: str | Path) -> Any:
     meta = cfg.get("metadata") or {}
     saved_training = meta.get("training")
     training = TrainingRecord.from_dict(saved_training)
-    evaluation = meta.get("evaluation") or {}
     rows: list[tuple[str, Any]] = [
         ("architecture", cfg.get("architecture")),
         ("d_in -> d_out", f"{cfg.get('d_in')} -> {cfg.get('d_out')}"),
@@ -123,11 +122,10 @@ def describe_layer(folder: str | Path) -> Any:
     for key in ("name", "kind", "sha256", "revision", "config_sha256"):
         if key in source:
             rows.append((f"model source: {key}", source[key]))
-    data = training.text
-    if data:
-        rows.append(("training text", f"{data.get('text')} ({data.get('split')} side, eval fraction "
-                                       f"{data.get('eval_fraction')}, split seed {data.get('split_seed')})"))  # fmt: skip
-        for name, digest in (data.get("digests") or {}).items():
+    text = training.text
+    if text:
+        rows.append(("training text", text.describe()))
+        for name, digest in (text.digests or {}).items():
             rows.append((f"digest of {name}", digest))
     if saved_training:
         rows += [("tokens seen", f"{training.tokens:,}"), ("steps", training.steps),
@@ -137,17 +135,16 @@ def describe_layer(folder: str | Path) -> Any:
                 rows.append((f"train: {key}", value))
         for key, value in (training.metrics or {}).items():
             rows.append((f"last training {key}", f"{value:.4g}"))
-    evaluations = meta.get("evaluations") or ([evaluation] if evaluation else [])
+    evaluations = EvaluationRecord.all_of(meta)
     for number, record in enumerate(evaluations, start=1):
-        text = record.get("text") or {}
         prefix = "eval" if len(evaluations) == 1 else f"eval {number}"
         rows.append(
             (
                 "evaluated on" if len(evaluations) == 1 else f"evaluation {number} on",
-                f"{text.get('text')} ({text.get('split')} side), {record.get('tokens', 0):,} tokens",
+                f"{record.text.text} ({record.text.split} side), {record.tokens:,} tokens",
             )
         )
-        for key, value in (record.get("metrics") or {}).items():
+        for key, value in record.metrics.items():
             rows.append((f"{prefix}: {key}", f"{value:.4g}" if isinstance(value, float) else value))
     if not evaluations:
         rows.append(("evaluation", "none yet (mxd-lens eval FOLDER)"))

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from mxd_lens.config import DEFAULT_MODEL
+from mxd_lens.records import EvaluationRecord, TextRecord, TrainingRecord
 from mxd_lens.studies import StudyIncomplete, StudyResult
 from mxd_lens.studies.eval import EvalOptions
 
@@ -55,7 +56,7 @@ def model_for_layers(where: Any, options: EvalOptions) -> Any:
     if name is None:  # the record alone, from cfg.json (evaluate_saved loads the layers themselves, once)
         first = layer_folders(options.layers)[0]
         meta = json.loads((first / "cfg.json").read_text()).get("metadata") or {}
-        record = (meta.get("training") or {}).get("model") or {}
+        record = TrainingRecord.from_dict(meta.get("training")).model_source
         name = recorded_model(record, first)
         tl_name = tl_name or record.get("tl_name")
     return load_model(name, tl_name=tl_name)
@@ -89,7 +90,6 @@ def evaluate_saved(model: Any, config: EvalOptions, progress: bool = True) -> li
     from mxd_lens.evaluation import check_disjoint, evaluate, held_out_batches
     from mxd_lens.layers.io import layer_folders, load_layer
     from mxd_lens.models import model_identity, model_source
-    from mxd_lens.records import TrainingRecord
 
     if config.eval_tokens <= 0:
         raise ValueError(f"--eval-tokens {config.eval_tokens}: evaluate at least one row of tokens")
@@ -98,18 +98,25 @@ def evaluate_saved(model: Any, config: EvalOptions, progress: bool = True) -> li
     trained = [TrainingRecord.of(layer).text for layer in layers.values()]
     first = trained[0]
     text = config.text or _recorded_text(first, paths[0]) or str(data.default_text())
-    same_text = config.text is None and first.get("text")
+    same_text = config.text is None and first.text is not None
+
+    def recorded(value: Any, default: Any) -> Any:  # the first layer's split setting for its own text
+        return value if same_text and value is not None else default
+
     fraction = config.eval_fraction if config.eval_fraction is not None else (
-        first.get("eval_fraction", StreamConfig.eval_fraction) if same_text else StreamConfig.eval_fraction)  # fmt: skip
-    seed = config.split_seed if config.split_seed is not None else (
-        first.get("split_seed", StreamConfig.split_seed) if same_text else StreamConfig.split_seed)  # fmt: skip
+        recorded(first.eval_fraction, StreamConfig.eval_fraction))  # fmt: skip
+    seed = (
+        config.split_seed
+        if config.split_seed is not None
+        else recorded(first.split_seed, StreamConfig.split_seed)
+    )
     eval_info = {"text": data.text_name(text), "split": config.split, "eval_fraction": fraction, "split_seed": seed,
                  "digests": data.source_digests(text)}  # fmt: skip
     if config.split == "all":
         eval_info.update(split="eval", eval_fraction=1.0)  # every document held out
     for name, record in zip(layers, trained, strict=True):
         try:
-            check_disjoint(record or None, eval_info)
+            check_disjoint(record, eval_info)
         except ValueError as err:
             raise ValueError(f"{name}: {err}") from None
     if not config.allow_other_model:
@@ -133,40 +140,30 @@ def evaluate_saved(model: Any, config: EvalOptions, progress: bool = True) -> li
     return rows
 
 
-def _recorded_text(record: Mapping[str, Any], folder: Path) -> str | None:
+def _recorded_text(record: TextRecord, folder: Path) -> str | None:
     """The training text a layer records, as a source this process can read: a package resource name
     as it is, a path as recorded when it exists from here, else the absolute path recorded beside it;
     a recorded path found neither way is a ValueError that names where it came from."""
     from mxd_lens.data import PACKAGE_PREFIX, _looks_like_path
 
-    text = record.get("text")
+    text = record.text
     if text is None or str(text).startswith(PACKAGE_PREFIX) or Path(str(text)).expanduser().exists():
         return text
-    if record.get("path") and Path(record["path"]).exists():
-        return record["path"]
-    if _looks_like_path(str(text)) or record.get("path"):
+    if record.path and Path(record.path).exists():
+        return record.path
+    if _looks_like_path(str(text)) or record.path:
         raise ValueError(
             f"the training text {text!r} recorded in {folder / 'cfg.json'} (metadata.training.data.text) is not "
-            f"found from {Path.cwd()}"
-            + (f" nor at {record['path']}" if record.get("path") else "")
-            + "; give --text"
+            f"found from {Path.cwd()}" + (f" nor at {record.path}" if record.path else "") + "; give --text"
         )
     return text  # a Hugging Face dataset name
 
 
-def evaluation_key(record: Mapping[str, Any]) -> tuple[Any, ...]:
-    """What makes two evaluations the same measurement: the text (by content), its split, the tokens
-    and the context size; a new one replaces an old one with the same key."""
-    text = record.get("text") or {}
-    digests = json.dumps(text.get("digests") or text.get("text"), sort_keys=True)
-    return (digests, text.get("split"), text.get("eval_fraction"), text.get("split_seed"), record.get("tokens"),
-            record.get("context_size"))  # fmt: skip
-
-
 def keep_evaluation(records: Sequence[Mapping[str, Any]], record: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """``records`` with ``record`` added, replacing one with the same :func:`evaluation_key`."""
-    key = evaluation_key(record)
-    return [dict(r) for r in records if r and evaluation_key(r) != key] + [dict(record)]
+    """``records`` (as cfg.json stores them) with ``record`` added, replacing one that is the same
+    measurement (:meth:`EvaluationRecord.key`: the text by content and its side, tokens, context)."""
+    key = EvaluationRecord.from_dict(record).key()
+    return [dict(r) for r in records if r and EvaluationRecord.from_dict(r).key() != key] + [dict(record)]
 
 
 class EvaluationNotRecorded(OSError):
@@ -200,7 +197,8 @@ def _record_evaluations(paths: Sequence[Path], rows: list[dict[str, Any]], eval_
         }
         cfg = json.loads((path / "cfg.json").read_text())
         meta = cfg.setdefault("metadata", {})
-        # one record per (text, split, tokens, context): evaluating on three texts keeps three
+        # one record per (text, split, tokens, context): evaluating on three texts keeps three; kept as
+        # stored (a layer evaluated before there could be several has one "evaluation")
         earlier = meta.get("evaluations") or ([meta["evaluation"]] if meta.get("evaluation") else [])
         meta["evaluations"] = keep_evaluation(earlier, record)
         meta["evaluation"] = record  # the latest (what the model card and frontier tables show)
