@@ -13,6 +13,7 @@ from typing import Any, Literal
 # Only the light config module at import: `mxd-lens --help` must not wait for torch.
 from mxd_lens.config import (
     DEFAULT_MODEL,
+    RECOMMENDED_MXD,
     WIDTH_MULTIPLIER,
     ExportConfig,
     PublishConfig,
@@ -105,9 +106,10 @@ class TrainCommand:
     """transformer blocks to train at (all the cache holds when not given; --layers: its old name)"""
     shuffle: Literal["global", "block"] = "global"
     """with --cache: permute all of it every epoch (global), or read it block by block as a live stream"""
-    arch: list[str] = field(default_factory=lambda: ["mxd", "transcoder"])
+    arch: list[str] = field(default_factory=lambda: [RECOMMENDED_MXD, "transcoder"])
     """architectures: keys of mxd_lens.ARCHITECTURES (mxd, transcoder, skip_transcoder, any registered), each
-    with config options if wanted: mxd:gate=topk, mxd:balance_rate=0.001, mxd:d_hidden=384"""
+    with config options if wanted: mxd:gate=topk, mxd:balance_rate=0.001, mxd:d_hidden=384; plain 'mxd' is
+    the paper's gate, the default MxD the standardised TopK gate (docs/layers.md)"""
     k: list[int] = field(default_factory=lambda: [32])
     """active units per token, one or more"""
     width_multiplier: list[int] = field(default_factory=lambda: [WIDTH_MULTIPLIER])

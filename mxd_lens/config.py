@@ -14,6 +14,11 @@ DEFAULT_MODEL = "smollm2-135m"  # the offline default (SmolLM2-135M-Instruct fro
 WIDTH_MULTIPLIER = 8  # transcoder width m x d_model; MxD gets the experts that match its parameters
 SCHEDULES = ("constant", "linear", "cosine")
 NORMALIZATIONS = ("none", "input", "input_output")
+# The MxD the tools train by default (`mxd-lens train`, the demo, the frontier beside the paper's gate):
+# the plain TopK gate, its pre-activations standardised per expert (r = 0.1). On the review protocol it
+# keeps L0 = K with no always-on expert, at the paper gate's fidelity or better (docs/results.md,
+# "Headline"). ``MxDConfig()``'s own default stays the paper's gate ("relu_topk").
+RECOMMENDED_MXD = "mxd:gate=topk,gate_standardize=0.1"
 NEUTRAL_PROMPT = "Let's talk about"  # what steered generations continue
 # Steering concepts from the bundled probing sets (the full suite's study used code_language/python and
 # bbc_news/sports in place of the two debian ones: pass --tasks and --data for those).

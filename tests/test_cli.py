@@ -220,10 +220,13 @@ def test_demo_runs_end_to_end(tmp_path, text_model, capsys):
     assert sorted(
         p.name for p in (tmp_path / "demo" / "runs" / "L1.seed0" / "final").iterdir() if p.is_dir()
     ) == [
-        "L1.mxd-gate=topk.k2.m8",
+        "L1.mxd-gate=topk-gate_standardize=0.1.k2.m8",  # the recommended MxD
         "L1.transcoder.k2.m8",
     ]
-    assert SAE.load_from_disk(tmp_path / "demo/runs/L1.seed0/final/L1.mxd-gate=topk.k2.m8").cfg.gate == "topk"
+    cfg = SAE.load_from_disk(
+        tmp_path / "demo/runs/L1.seed0/final/L1.mxd-gate=topk-gate_standardize=0.1.k2.m8"
+    ).cfg
+    assert (cfg.gate, cfg.gate_standardize) == ("topk", 0.1) and "|   always on |" in out
 
 
 def test_threads_option_of_the_heavy_verbs_and_plain_flags(tmp_path, capsys):

@@ -11,6 +11,7 @@ import torch
 from conftest import make_text_model
 from sae_lens import SAE
 
+from mxd_lens.config import RECOMMENDED_MXD
 from mxd_lens.studies.frontier import FrontierConfig
 from mxd_lens.studies.frontier.run import plot_frontier, run_frontier
 
@@ -31,11 +32,13 @@ def test_frontier_trains_evaluates_and_writes_everything(tmp_path):
         eval_fraction=0.1,
     )
     rows = run_frontier(model, config, tmp_path / "out", progress=False)
+    # By default the paper's MxD, the recommended one and both transcoders
     assert sorted((r["method"], r["k"]) for r in rows) == [
-        (m, k) for m in ("mxd", "skip_transcoder", "transcoder") for k in (2, 4)
+        (m, k) for m in sorted(("mxd", RECOMMENDED_MXD, "skip_transcoder", "transcoder")) for k in (2, 4)
     ]
     assert {r["label"] for r in rows} == {
         "MxD",
+        "MxD (gate=topk, gate_standardize=0.1)",
         "Skip transcoder",
         "Transcoder",
     }  # rows carry keys, and labels
@@ -44,8 +47,8 @@ def test_frontier_trains_evaluates_and_writes_everything(tmp_path):
         assert row["l0"] <= row["k"] and row["tokens"] >= 200 - 20
         assert row["ce_spliced"] == pytest.approx(row["ce_clean"] + row["delta_ce"])
     record = json.loads((tmp_path / "out" / "frontier.json").read_text())
-    assert record["config"]["ks"] == [2, 4] and len(record["results"]) == 6 and "command" in record
-    assert len(pd.read_csv(tmp_path / "out" / "frontier.csv")) == 6
+    assert record["config"]["ks"] == [2, 4] and len(record["results"]) == 8 and "command" in record
+    assert len(pd.read_csv(tmp_path / "out" / "frontier.csv")) == 8
     assert (tmp_path / "out" / "frontier.png").stat().st_size > 10_000
     # Parameter-matched: the MxD and the transcoder have (nearly) the same size.
     params = {r["method"]: r["params"] for r in rows if r["k"] == 2}

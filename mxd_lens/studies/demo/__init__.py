@@ -10,9 +10,10 @@ from mxd_lens.config import WIDTH_MULTIPLIER, StreamConfig
 @dataclass
 class DemoOptions:
     """The main job: on the default model and text, cache one mid block's MLP activations, train a
-    parameter-matched MxD (plain TopK gate) and TopK transcoder at the same K from that one stream, splice
-    both into the model on held-out text and on text none of them trained on, print the comparison and
-    save the plot and the weights (OUT/demo; OUT/demo-quick with --quick). A preset of the frontier study."""
+    parameter-matched MxD (the recommended gate, config.RECOMMENDED_MXD: plain TopK, standardised) and
+    TopK transcoder at the same K from that one stream, splice both into the model on held-out text and
+    on text none of them trained on, print the comparison and save the plot and the weights (OUT/demo;
+    OUT/demo-quick with --quick). A preset of the frontier study."""
 
     quick: bool = False
     """a smoke run of about a minute (few tokens)"""

@@ -1,5 +1,5 @@
-"""The demo: on the default model and text, one block's MLP replaced by a parameter-matched MxD (plain
-TopK gate) and a TopK transcoder at the same K, trained from one cached stream, compared spliced on
+"""The demo: on the default model and text, one block's MLP replaced by a parameter-matched MxD (the
+recommended gate: plain TopK, standardised) and a TopK transcoder at the same K, trained from one cached stream, compared spliced on
 held-out text and on text neither trained on, ranked by KL with ΔCE beside it."""
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ def run(model: Any, options: DemoOptions, out: Path | None) -> StudyResult:
     """The frontier study at one point, in ``out`` (default results/demo, or results/demo-quick with
     ``--quick``, so a smoke run never meets a real one)."""
     from mxd_lens.analysis.tasks import bundled_data
+    from mxd_lens.config import RECOMMENDED_MXD
     from mxd_lens.data import default_text
     from mxd_lens.studies.frontier import FrontierConfig
     from mxd_lens.studies.frontier.run import run_frontier
@@ -28,9 +29,9 @@ def run(model: Any, options: DemoOptions, out: Path | None) -> StudyResult:
         blocks=[options.block],
         ks=[options.k],
         width_multiplier=options.width_multiplier,
-        # MxD with the plain TopK gate: on the protocol sweep it keeps L0 = K where the paper's gate
-        # falls to L0 19 (docs/results.md, "MxD's codes on the review protocol")
-        archs=["mxd:gate=topk", "transcoder"],
+        # the recommended MxD (config.RECOMMENDED_MXD): L0 = K and no always-on expert, where the paper's
+        # gate falls to about a dozen mostly always-on experts (docs/results.md, "Headline")
+        archs=[RECOMMENDED_MXD, "transcoder"],
         train_tokens=options.train_tokens or (8_192 if quick else 262_144),
         epochs=options.epochs,
         eval_tokens=options.eval_tokens or (1_024 if quick else 12_800),
@@ -61,7 +62,7 @@ def demo_table(rows: list[dict[str, Any]]) -> str:
 
     from mxd_lens.studies.report import columns, render_table
 
-    shown = columns("label", "params", "ce_clean", "delta_ce", "kl", "fvu", "l0", "dead_fraction", "ood_delta_ce",
+    shown = columns("label", "params", "ce_clean", "delta_ce", "kl", "fvu", "l0", "always_on", "dead_fraction", "ood_delta_ce",
                     "ood_kl", dead_fraction="dead")  # fmt: skip
     return render_table(pd.DataFrame(rows), shown)
 

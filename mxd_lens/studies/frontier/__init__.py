@@ -27,7 +27,8 @@ class FrontierConfig:
     width_multiplier: int = WIDTH_MULTIPLIER
     """transcoder width m x d_model; MxD gets the experts that match its parameters"""
     archs: list[str] | None = None
-    """keys of mxd_lens.ARCHITECTURES, with options if wanted (mxd:gate=topk); unset: every built-in one"""
+    """keys of mxd_lens.ARCHITECTURES, with options if wanted (mxd:gate=topk); unset: the paper's MxD (mxd),
+    the recommended one (config.RECOMMENDED_MXD), the TopK and the skip transcoder"""
     arch_lr: list[str] = field(default_factory=list)
     """a learning rate per architecture, "ARCH=LR" (e.g. mxd=0.001 transcoder=0.002); others use lr"""
     train_tokens: int = 1_000_000  # tokens cached from the train split
@@ -50,12 +51,13 @@ class FrontierConfig:
 
     def __post_init__(self) -> None:
         from mxd_lens import data
+        from mxd_lens.config import RECOMMENDED_MXD
         from mxd_lens.layers import BUILT_IN, get_architecture
 
         if self.text is None:
             self.text = str(data.default_text())
         if self.archs is None:
-            self.archs = list(BUILT_IN)
+            self.archs = ["mxd", RECOMMENDED_MXD, *(key for key in BUILT_IN if key != "mxd")]
         from mxd_lens.layers import parse_arch
 
         for arch in self.archs:
