@@ -123,6 +123,9 @@ def test_auxk_matches_a_dense_reference_and_reaches_only_dead_units(arch):
     dead[torch.randperm(48)[:20]] = True
     with torch.no_grad():
         layer.b_enc[dead] -= 1.0  # dead units sit below zero, where AuxK must still reach them
+        # A large decoder bias: the dead units reconstruct the residual without it (the reference decodes
+        # without b_dec; sparsify and SAELens once counted it twice: sparsify #132/#134, SAELens 6.36.2).
+        layer.b_dec.add_(torch.linspace(-20, 20, layer.b_dec.numel()))
     k_aux, coef, scale = 6, 0.5, 1.7
 
     def grads(loss):
@@ -140,6 +143,9 @@ def test_auxk_matches_a_dense_reference_and_reaches_only_dead_units(arch):
     mse, auxk = _dense_aux_reference(layer, x, y, dead, k_aux, coef, scale)
     torch.testing.assert_close(out.losses["mse"], mse)
     torch.testing.assert_close(out.losses["auxk"], auxk)
+    with torch.no_grad():  # and counting the bias would be far off: the check above can tell
+        biased = _dense_aux_reference(layer, x, y - layer.b_dec, dead, k_aux, coef, scale)[1]
+    assert biased > 2 * auxk
     reference = grads(mse + coef * auxk)
     for name in ours:
         torch.testing.assert_close(ours[name], reference[name], rtol=1e-4, atol=1e-5, msg=name)
