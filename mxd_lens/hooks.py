@@ -112,10 +112,10 @@ def block_of(layer: MLPReplacement[Any]) -> int:
 layer_index = block_of  # the name before "block" meant indices everywhere
 
 
-def check_fits(model: HookedTransformer, layer: MLPReplacement[Any], index: int) -> None:
-    """Raise unless ``layer`` was made for block ``index`` of a model like ``model``: same widths, and
+def check_fits(model: HookedTransformer, layer: MLPReplacement[Any], block: int) -> None:
+    """Raise unless ``layer`` was made for block ``block`` of a model like ``model``: same widths, and
     the same ``model_name`` when the layer records one."""
-    check_block(model, index)
+    check_block(model, block)
     trained_on = layer.cfg.metadata.model_name
     if trained_on and trained_on != model.cfg.model_name:
         # One model loaded from another source (a .gguf and its Hugging Face folder) has another name

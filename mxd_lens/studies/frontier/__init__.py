@@ -42,7 +42,7 @@ class FrontierConfig:
         default=TrainConfig.grad_clip, metadata={"custom_args": {"type": optional_float}}
     )
     """gradient norm limit per learner (none: off)"""
-    rows_per_block: int = StreamConfig.rows_per_block  # token rows per cache shard
+    rows_per_shard: int = StreamConfig.rows_per_shard  # token rows per cache shard
     eval_rows_per_forward: int = 8  # token rows per evaluation forward
     eval_fraction: float = StreamConfig.eval_fraction  # documents of text held out as its 'eval' side
     split_seed: int = StreamConfig.split_seed  # seed of that document split
