@@ -50,7 +50,6 @@ _WHERE = {  # public name -> the module that defines it
     **dict.fromkeys(LAYER_NAMES, "mxd_lens.layers"),
 }
 __all__ = sorted(_WHERE)
-_RENAMED = ("Transcoder", "TranscoderConfig", "SkipTranscoder", "SkipTranscoderConfig")  # deprecated
 
 
 def __getattr__(name: str) -> Any:
@@ -58,10 +57,6 @@ def __getattr__(name: str) -> Any:
         value = getattr(importlib.import_module(_WHERE[name]), name)
         globals()[name] = value  # next time without this function
         return value
-    if name in _RENAMED:
-        from mxd_lens.layers.transcoder import deprecated_name
-
-        return deprecated_name(__name__, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")  # (a submodule is then imported)
 
 

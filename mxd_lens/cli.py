@@ -83,8 +83,8 @@ class CacheCommand:
 
     out: str
     """cache folder"""
-    blocks: list[int] | None = field(default=None, metadata={"alias": ["--layers"]})
-    """transformer blocks whose MLP to cache (required to write; --layers: its old name)"""
+    blocks: list[int] | None = None
+    """transformer blocks whose MLP to cache (required to write)"""
     shards: int | None = None
     """shards to write, each rows-per-shard rows (tokens = shards x rows-per-shard x context; required to write)"""
     verify: bool = False
@@ -102,8 +102,8 @@ class TrainCommand:
     """output folder"""
     cache: str | None = None
     """activation cache folder from `mxd-lens cache` (no model needed)"""
-    blocks: list[int] | None = field(default=None, metadata={"alias": ["--layers"]})
-    """transformer blocks to train at (all the cache holds when not given; --layers: its old name)"""
+    blocks: list[int] | None = None
+    """transformer blocks to train at (all the cache holds when not given)"""
     shuffle: Literal["global", "shard"] = "global"
     """with --cache: permute all of it every epoch (global), or read it shard by shard as a live stream"""
     arch: list[str] = field(default_factory=lambda: [RECOMMENDED_MXD, "transcoder"])
@@ -326,8 +326,7 @@ def _cache(args: argparse.Namespace) -> int:
     if args.blocks is None or args.shards is None:
         raise SystemExit(
             "mxd-lens cache: --blocks (the transformer blocks to cache) and --shards (how many shards of "
-            "--rows-per-shard rows to write) are required to write a cache; before the rename, --layers "
-            "named the blocks and --blocks counted the shards"
+            "--rows-per-shard rows to write) are required to write a cache"
         )
     from mxd_lens.models import load_model
 

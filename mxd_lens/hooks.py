@@ -51,9 +51,6 @@ def check_block(model: HookedTransformer, block: int) -> None:
         raise ValueError(f"{model.cfg.model_name} is attention-only: block {block} has no MLP to replace")
 
 
-check_layer = check_block  # the name before "block" meant indices everywhere
-
-
 def mlp_module(model: HookedTransformer, block: int) -> nn.Module:
     check_block(model, block)
     return model.blocks[block].mlp
@@ -107,9 +104,6 @@ def block_of(layer: MLPReplacement[Any]) -> int:
             "layer.cfg.metadata = mxd_lens.hooks.layer_metadata(model, block)"
         )
     return int(match.group(1))
-
-
-layer_index = block_of  # the name before "block" meant indices everywhere
 
 
 def check_fits(model: HookedTransformer, layer: MLPReplacement[Any], block: int) -> None:

@@ -133,11 +133,6 @@ class LearnerSpec:
 
         return format_arch(self.arch, self.options)
 
-    @property
-    def layer(self) -> int:
-        """The block index under its old name (``block`` now; ``layer`` means a layer object)."""
-        return self.block
-
     @classmethod
     def of(cls, layer: MLPReplacement) -> LearnerSpec:
         """The spec of a layer built elsewhere (``init="given"``)."""

@@ -260,6 +260,30 @@ def test_threads_option_of_the_heavy_verbs_and_plain_flags(tmp_path, capsys):
         assert "--threads int" in shown and "--nono" not in shown, verb
 
 
+@pytest.mark.parametrize(
+    "verb, old",
+    [
+        ("cache", "--layers"),
+        ("cache", "--rows-per-block"),
+        ("train", "--layers"),
+        ("train", "--rows-per-block"),
+        ("frontier", "--layers"),
+        ("frontier", "--rows-per-block"),
+        ("demo", "--layer"),
+        ("spd-ablation", "--layer"),
+    ],
+)
+def test_the_old_option_names_are_gone(verb, old, capsys):
+    """0.2.0 dropped the old names of block-index and shard options (--blocks, --block, --rows-per-shard)."""
+    import re
+
+    with pytest.raises(SystemExit):
+        main([verb, "--help"])
+    shown = capsys.readouterr().out
+    assert not re.search(rf"{old}(?![\w-])", shown), (verb, old)
+    assert re.search(r"--blocks? |--rows-per-shard ", shown)
+
+
 @pytest.mark.parametrize("command", ["", "check", "cache", "train", *sorted(STUDIES)])
 def test_help_imports_no_torch(command):
     """`mxd-lens [SUB] --help` (every study's verb included) reads only light modules, so it answers at once."""

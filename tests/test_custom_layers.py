@@ -82,10 +82,13 @@ def test_a_taken_name_is_refused(example):
         mxd_lens.register_architecture("other", dict)
 
 
-def test_old_names_warn_and_still_work():
-    with pytest.warns(DeprecationWarning, match="renamed TopKTranscoder"):
-        assert mxd_lens.Transcoder is mxd_lens.TopKTranscoder
-    with pytest.warns(DeprecationWarning, match="renamed TopKSkipTranscoderConfig"):
+def test_the_old_class_names_are_gone():
+    """``Transcoder`` & co. (they shadowed SAELens's classes) were renamed ``TopK...`` with no alias."""
+    import mxd_lens.layers
+
+    for name in ("Transcoder", "TranscoderConfig", "SkipTranscoder", "SkipTranscoderConfig"):
+        assert not hasattr(mxd_lens, name) and not hasattr(mxd_lens.layers, name)
+    with pytest.raises(ImportError):
         from mxd_lens.layers import SkipTranscoderConfig  # noqa: F401
     with pytest.raises(AttributeError):
         mxd_lens.NoSuchThing  # noqa: B018

@@ -158,16 +158,9 @@ def test_resume_matches_the_text_by_content_not_by_how_its_path_was_spelled(tmp_
         )
 
 
-def test_block_index_under_its_old_name_still_works(tmp_path, monkeypatch):
-    """``layer`` meant a block index before the rename: for_model(layer=), LearnerSpec.layer and a
-    checkpoint whose learners record "layer" still work, the first with a DeprecationWarning."""
-    from mxd_lens.layers import MxD
-
-    model = make_model("gpt2")
-    with pytest.warns(DeprecationWarning, match="layer= is now block="):
-        old = MxD.for_model(model, layer=1, d_sae=8, k=2)
-    assert old.cfg.metadata.hook_name_out == MxD.for_model(model, 1, d_sae=8, k=2).cfg.metadata.hook_name_out
-    assert SPECS[0].layer == SPECS[0].block == 1
+def test_a_checkpoint_whose_learners_record_layer_resumes(tmp_path, monkeypatch):
+    """``layer`` was the block index's name before the rename: a checkpoint whose learners record
+    "layer" resumes to the same weights."""
     whole = Trainer(SPECS[:1], source(), config(), tmp_path / "whole", progress=False)
     whole.fit()
     crash_at(Trainer(SPECS[:1], source(), config(), tmp_path / "old", progress=False), 17, monkeypatch)
@@ -178,6 +171,14 @@ def test_block_index_under_its_old_name_still_works(tmp_path, monkeypatch):
     state_file.write_text(json.dumps(state))
     Trainer(SPECS[:1], source(), config(), tmp_path / "old", progress=False).fit(resume=True)
     assert_identical(final_weights(tmp_path / "whole"), final_weights(tmp_path / "old"))
+
+
+def test_the_block_index_has_no_other_name():
+    from mxd_lens.layers import MxD
+
+    with pytest.raises(TypeError):
+        MxD.for_model(make_model("gpt2"), layer=1, d_sae=8, k=2)
+    assert not hasattr(SPECS[0], "layer")
 
 
 def test_nan_loss_stops_and_names_the_last_good_checkpoint(tmp_path, monkeypatch):

@@ -14,8 +14,8 @@ class FrontierConfig:
     held-out tokens from its 'eval' side (never the same documents) or from ``eval_text``."""
 
     text: str | None = None  # training text: a file, folder or dataset (default: the bundled English text)
-    blocks: list[int] = field(default_factory=list, metadata={"alias": ["--layers"]})
-    """transformer blocks whose MLP to replace, each at every K in ks (--layers: its old name)"""
+    blocks: list[int] = field(default_factory=list)
+    """transformer blocks whose MLP to replace, each at every K in ks"""
     ks: list[int] = field(default_factory=lambda: [16, 32, 64])  # active units per token
     grid: list[str] = field(default_factory=list)  # more points: "BLOCK:K,K[@SEED,SEED]", e.g. 25:32 15:32@1
     eval_text: str | None = None  # held-out text (default: the 'eval' side of text's split)
