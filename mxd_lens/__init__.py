@@ -22,7 +22,7 @@ from typing import Any
 
 from mxd_lens import logs  # noqa: F401 (the mxd_lens logger's default handler)
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 LAYER_NAMES = (  # what mxd_lens.layers exports (its __all__ is this tuple)
     "ARCHITECTURES",
