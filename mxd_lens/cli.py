@@ -208,7 +208,9 @@ def _publish(args: argparse.Namespace) -> int:
 def _export(args: argparse.Namespace) -> int:
     """Write saved TopK transcoders / skip transcoders (one per block) as a circuit-tracer
     transcoder set: config.yaml and layer_{block}.safetensors (W_enc, W_dec, b_enc, b_dec, W_skip).
-    An MxD has no fixed decoder vectors, so it cannot be exported (use expert attribution)."""
+    circuit-tracer loads a local set by its ABSOLUTE path (load_transcoder_from_hub("/abs/dir"), then
+    TopK set on each transcoder; see docs/layers.md). An MxD has no fixed decoder vectors, so it
+    cannot be exported (use expert attribution)."""
     from mxd_lens.export import export_circuit_tracer
 
     try:
@@ -216,6 +218,10 @@ def _export(args: argparse.Namespace) -> int:
     except (ValueError, TypeError, FileNotFoundError) as err:
         raise SystemExit(f"mxd-lens export: {err}") from None
     print(f"wrote {out}/config.yaml and {', '.join(sorted(p.name for p in out.glob('layer_*.safetensors')))}")
+    print(
+        f"load it in circuit-tracer by this absolute path: load_transcoder_from_hub({str(out)!r}), then set "
+        "each transcoder's activation_function to TopK(config['k']) (docs/layers.md)"
+    )
     return 0
 
 
