@@ -50,6 +50,8 @@ def previous_evaluate():
         capture_output=True,
         text=True,
     ).stdout
+    # it calls hooks.block_of by its old name, removed in 0.2.0
+    source = source.replace("hooks.layer_index(", "hooks.block_of(")
     module = types.ModuleType("previous_evaluation")
     exec(compile(source, f"{PREVIOUS}:mxd_lens/evaluation.py", "exec"), module.__dict__)
     return module.evaluate

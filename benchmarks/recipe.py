@@ -3,11 +3,11 @@ tokens, with a minimal independent re-implementation of the paper as the referen
 activation set. Not run in CI (it needs the real model and a cache of it).
 
 Make the cache once (SmolLM2-135M layer 15, Austen + the World English Bible, train split, BOS then
-128 tokens a row, so 32,768 tokens a block; 20 blocks = 655k tokens, 3 GB in fp32; ~15 min here):
+128 tokens a row, so 32,768 tokens a shard; 20 shards = 655k tokens, 3 GB in fp32; ~15 min here):
 
     mkdir -p data/train_text && ln -s $DATA/corpus/{jane_austen_novels,bible_web}.txt.xz data/train_text/
     mxd-lens cache --model smollm2-135m --text data/train_text --blocks 15 --context-size 129 \\
-        --rows-per-block 256 --shards 20 --out data/cache-l15
+        --rows-per-shard 256 --shards 20 --out data/cache-l15
 
 Then
 
@@ -20,10 +20,10 @@ Then
     minimal        a plain-PyTorch loop of the paper's equations (dense TopK, autograd, Adam, warmup, unit
                    C / W_dec rows with the parallel gradient removed, loss sum||y_hat - y||^2 / sum||y||^2),
                    written here without any of the trainer's code
-    previous       the project trainer as it was: no normalisation, no AuxK, constant rate, block shuffle
+    previous       the project trainer as it was: no normalisation, no AuxK, constant rate, shard shuffle
     recipe         the new defaults (normalisation folded into the weights, AuxK, global shuffle, decay)
 
-on (1) the first 4 blocks (131,072 tokens, one epoch) at 256 steps of 512 tokens, lr 1e-3, warmup 100
+on (1) the first 4 shards (131,072 tokens, one epoch) at 256 steps of 512 tokens, lr 1e-3, warmup 100
 (the issue's setting: every variant sees the same batches' tokens and steps), and (2) the whole cache
 for ``--epochs`` epochs with the new recipe's batch and rate, where ``previous`` gets the same steps and
 tokens. Every layer is spliced into the model on ``--eval-tokens`` held-out tokens of ``--eval-text``
@@ -33,7 +33,7 @@ held-out tokens), L0, ΔCE, KL, CE recovered (zero-ablation), wall time of the t
 finished is not retrained (its layers are reloaded from OUT/NAME/final).
 
 ``sweep`` chooses defaults on the training side only: it trains the new recipe at several (batch, lr)
-at equal tokens on the first blocks and reports FVU on the cache's last ``--val-blocks`` blocks (a
+at equal tokens on the first shards and reports FVU on the cache's last ``--val-shards`` shards (a
 held-out part of the train split; no model needed).
 """
 
@@ -120,7 +120,7 @@ def minimal_train(arch, info, x, y, *, k, m, steps, batch, lr, warmup, seed):
 
 
 # -- runs --------------------------------------------------------------------------------------------
-def run_trainer(name, cache, out, *, archs, k, m, layer, overrides, seed, shuffle="global", max_blocks=None):
+def run_trainer(name, cache, out, *, archs, k, m, layer, overrides, seed, shuffle="global", max_shards=None):
     """Train (or reload) one Trainer run; returns ({arch: layer at raw scale}, {arch: train fvu}, seconds)."""
     folder = out / name
     done = folder / "done.json"
@@ -144,7 +144,7 @@ def run_trainer(name, cache, out, *, archs, k, m, layer, overrides, seed, shuffl
                 f"{differ}; move it away to retrain (a default changed?)"
             )
         return layers, record["train_fvu"], record["seconds"]
-    source = CachedActivations(cache, layers=[layer], shuffle=shuffle, max_blocks=max_blocks)
+    source = CachedActivations(cache, blocks=[layer], shuffle=shuffle, max_shards=max_shards)
     trainer = Trainer(specs, source, config, folder, progress=False, data_info=source.text_info)
     start = time.perf_counter()
     metrics = trainer.fit(resume=True)
@@ -155,12 +155,12 @@ def run_trainer(name, cache, out, *, archs, k, m, layer, overrides, seed, shuffl
     return layers, train_fvu, seconds
 
 
-def run_minimal(name, cache, out, *, archs, k, m, layer, steps, batch, lr, warmup, seed, max_blocks):
+def run_minimal(name, cache, out, *, archs, k, m, layer, steps, batch, lr, warmup, seed, max_shards):
     folder = out / name
     folder.mkdir(parents=True, exist_ok=True)
-    source = CachedActivations(cache, layers=[layer], max_blocks=max_blocks)
-    blocks = [source.read(b)[layer] for b in range(source.n_blocks)]
-    x, y = torch.cat([b[0] for b in blocks]), torch.cat([b[1] for b in blocks])
+    source = CachedActivations(cache, blocks=[layer], max_shards=max_shards)
+    shards = [source.read(s)[layer] for s in range(source.n_shards)]
+    x, y = torch.cat([s[0] for s in shards]), torch.cat([s[1] for s in shards])
     layers, fvus, seconds = {}, {}, {}
     for arch in archs:
         spec = LearnerSpec(arch, layer, k, m)
@@ -210,12 +210,12 @@ def heldout_inputs(model, text, tokens, context, layer):
         [layer],
         lambda: rows.rows(data.iter_texts(text)),
         context,
-        rows_per_block=128,
+        rows_per_shard=128,
         drop_first_position=rows.prepend_bos,
     )
     xs, n = [], 0
-    for block in stream.blocks():
-        xs.append(block[layer][0])
+    for shard in stream.shards():
+        xs.append(shard[layer][0])
         n += len(xs[-1])
         if n >= tokens:
             break
@@ -244,19 +244,19 @@ def compare(args) -> None:
     out.mkdir(parents=True, exist_ok=True)
     common = dict(archs=ARCHS, k=args.k, m=args.m, layer=args.layer, seed=args.seed)
     short = dict(total_tokens=256 * 512, batch_tokens=512, lr=1e-3, warmup_steps=100)
-    full_cache = CachedActivations(args.cache, layers=[args.layer])
+    full_cache = CachedActivations(args.cache, blocks=[args.layer])
     long_tokens = int(args.epochs * full_cache.epoch_tokens) // args.batch_tokens * args.batch_tokens
     long = dict(total_tokens=long_tokens, batch_tokens=args.batch_tokens, lr=args.lr)
     runs: dict[str, tuple[str, Any]] = {
         "131k: minimal reference": ("minimal", None),
         "131k: previous trainer": (
             "trainer",
-            dict(name="short-previous", overrides={**short, **PREVIOUS}, shuffle="block", max_blocks=4),
+            dict(name="short-previous", overrides={**short, **PREVIOUS}, shuffle="shard", max_shards=4),
         ),
-        "131k: new recipe": ("trainer", dict(name="short-recipe", overrides=short, max_blocks=4)),
+        "131k: new recipe": ("trainer", dict(name="short-recipe", overrides=short, max_shards=4)),
         f"{args.epochs:g} epochs: previous trainer": (
             "trainer",
-            dict(name="long-previous", overrides={**long, **PREVIOUS}, shuffle="block"),
+            dict(name="long-previous", overrides={**long, **PREVIOUS}, shuffle="shard"),
         ),
         f"{args.epochs:g} epochs: new recipe": ("trainer", dict(name="long-recipe", overrides=long)),
     }
@@ -266,7 +266,7 @@ def compare(args) -> None:
         if short_run:
             runs[f"131k: recipe {fields}"] = (
                 "trainer",
-                dict(name="short-" + slug, overrides={**short, **_fields(fields)}, max_blocks=4),
+                dict(name="short-" + slug, overrides={**short, **_fields(fields)}, max_shards=4),
             )
         else:
             runs[f"{args.epochs:g} epochs: recipe {fields}"] = (
@@ -314,7 +314,7 @@ def compare(args) -> None:
                 batch=512,
                 lr=1e-3,
                 warmup=100,
-                max_blocks=4,
+                max_shards=4,
             )
         else:
             layers, fvus, seconds = run_trainer(kw.pop("name"), args.cache, out, **common, **kw)
@@ -373,15 +373,15 @@ def _write(rows, out, args) -> None:
 def sweep(args) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    cache = CachedActivations(args.cache, layers=[args.layer])
-    train_blocks = args.train_blocks or cache.n_blocks - args.val_blocks
-    if train_blocks + args.val_blocks > cache.n_blocks:
+    cache = CachedActivations(args.cache, blocks=[args.layer])
+    train_shards = args.train_shards or cache.n_shards - args.val_shards
+    if train_shards + args.val_shards > cache.n_shards:
         raise SystemExit(
-            f"{args.train_blocks} + {args.val_blocks} blocks exceed the cache's {cache.n_blocks}"
+            f"{args.train_shards} + {args.val_shards} shards exceed the cache's {cache.n_shards}"
         )
-    val = [cache.read(b)[args.layer] for b in range(cache.n_blocks - args.val_blocks, cache.n_blocks)]
+    val = [cache.read(s)[args.layer] for s in range(cache.n_shards - args.val_shards, cache.n_shards)]
     xv, yv = torch.cat([v[0] for v in val]), torch.cat([v[1] for v in val])
-    tokens = int(args.epochs * train_blocks * cache.info.tokens_per_block)
+    tokens = int(args.epochs * train_shards * cache.info.tokens_per_shard)
     rows = []
     for setting in args.settings:
         batch, lr, *rest = setting.split(",")
@@ -402,7 +402,7 @@ def sweep(args) -> None:
             layer=args.layer,
             seed=args.seed,
             overrides=overrides,
-            max_blocks=train_blocks,
+            max_shards=train_shards,
         )
         for arch, layer in layers.items():
             with torch.no_grad():
@@ -482,9 +482,9 @@ def main(argv=None) -> None:
     )
     s = sub.choices["sweep"]
     s.add_argument("--archs", nargs="+", default=list(ARCHS))
-    s.add_argument("--val-blocks", type=int, default=2, help="the cache's last blocks, held out for FVU")
+    s.add_argument("--val-shards", type=int, default=2, help="the cache's last shards, held out for FVU")
     s.add_argument(
-        "--train-blocks", type=int, help="train on the cache's first blocks (default: all but --val-blocks)"
+        "--train-shards", type=int, help="train on the cache's first shards (default: all but --val-shards)"
     )
     s.add_argument("--epochs", type=float, default=1.0)
     s.add_argument(

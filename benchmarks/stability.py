@@ -45,7 +45,7 @@ def parse_clip(text: str) -> float | None:
 
 
 def run(args: argparse.Namespace, clip: float | None) -> list[dict[str, float]]:
-    source = CachedActivations(args.cache, layers=[args.block], max_blocks=args.max_blocks)
+    source = CachedActivations(args.cache, blocks=[args.block], max_shards=args.max_shards)
     config = TrainConfig(
         total_tokens=args.total_steps * args.batch_tokens,
         batch_tokens=args.batch_tokens,
@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> dict[str, list[dict[str, float]]]:
     p.add_argument("--arch", default="mxd")
     p.add_argument("--k", type=int, default=8)
     p.add_argument("--m", type=int, default=8, help="width multiplier")
-    p.add_argument("--max-blocks", type=int, default=33, help="cache shards read (the frontier's 33)")
+    p.add_argument("--max-shards", type=int, default=33, help="cache shards read (the frontier's 33)")
     p.add_argument("--batch-tokens", type=int, default=TrainConfig.batch_tokens)
     p.add_argument("--lr", type=float, default=TrainConfig.lr)
     p.add_argument("--seed", type=int, default=0)

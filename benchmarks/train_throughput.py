@@ -3,7 +3,7 @@
     python benchmarks/train_throughput.py                 # random 6-layer d_model=256 model, ~2.5 min on 2 cores
     python benchmarks/train_throughput.py --model gpt2    # a real TransformerLens model (needs its weights)
     python benchmarks/train_throughput.py --tokens 256 --batch-tokens 64 --context-size 16 \\
-        --rows-per-block 16 --n-layers 2 --d-model 32 --d-mlp 64 --n-heads 2 --d-vocab 100 \\
+        --rows-per-shard 16 --n-layers 2 --d-model 32 --d-mlp 64 --n-heads 2 --d-vocab 100 \\
         --layer 1 --k 4 --m 4                             # smoke run (seconds)
 
 Every variant trains on the same number of tokens (--tokens, a multiple of --batch-tokens) of the same
@@ -20,12 +20,12 @@ experts that match its parameters, as the trainer builds them):
                         blocks.L.mlp.hook_in / blocks.L.hook_mlp_out of the same HookedSAETransformer,
                         feeding our Transcoder (K, m; same init) in a plain loop: forward_sparse, the
                         trainer's loss, backward, torch.optim.Adam(fused=True) as the trainer builds it
-    write cache         write_cache of the blocks the cached run needs (reported, not in any ratio)
+    write cache         write_cache of the shards the cached run needs (reported, not in any ratio)
     cache read only     CachedActivations -> shuffled_batches, no learner
     cached transcoder   the transcoder-K Trainer reading the cache
 
-Each live run also reports the token rows it read: a Trainer whose last step ends a block reads (and
-runs the model on) one block more than it trains on, and that cost is in its time, as it is for a user.
+Each live run also reports the token rows it read: a Trainer whose last step ends a shard reads (and
+runs the model on) one shard more than it trains on, and that cost is in its time, as it is for a user.
 
 Ratios:
 
@@ -33,7 +33,7 @@ Ratios:
     (b) transcoder K alone (ours) / SAELens store                 (tokens per second; goal >= 1.0)
     (c) cached transcoder / transcoder K alone                    (tokens per second)
 
-Fairness: SAELens's buffer is set to the size of our block (n_batches_in_buffer = rows_per_block: its
+Fairness: SAELens's buffer is set to the size of our shard (n_batches_in_buffer = rows_per_shard: its
 buffer holds n_batches_in_buffer * (context - 1) tokens), its forward batch to ours
 (store_batch_size_prompts = rows_per_forward) and both drop position 0 of every row (seqpos_slice=(1, None)).
 Its dataset is a datasets.Dataset of the same token rows (column input_ids, so is_dataset_tokenized).
@@ -65,7 +65,7 @@ from mxd_lens.training import LearnerSpec, TrainConfig, Trainer, build_layer
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from layer_speed import _machine_busy_s, _own_cpu_s  # noqa: E402  (shared CPU accounting)
 
-DEFAULT_TOKENS = 6 * 7 * 4096  # six blocks of 256 rows x 127 tokens, 7 batches of 4,096 each
+DEFAULT_TOKENS = 6 * 7 * 4096  # six shards of 256 rows x 127 tokens, 7 batches of 4,096 each
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -85,7 +85,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--batch-tokens", type=int, default=4096, help="tokens per step (default 4096)")
     p.add_argument("--context-size", type=int, default=128, help="tokens per row (default 128)")
-    p.add_argument("--rows-per-block", type=int, default=256, help="rows per block (default 256, as the CLI)")
+    p.add_argument("--rows-per-shard", type=int, default=256, help="rows per shard (default 256, as the CLI)")
     p.add_argument("--rows-per-forward", type=int, default=16, help="rows per model forward (default 16)")
     p.add_argument("--k", type=int, default=32, help="K of the single-learner runs; the 4 use K/2 and K")
     p.add_argument(
@@ -100,15 +100,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     g.add_argument("--n-heads", type=int, default=4, help="d_head = d_model / n_heads")
     g.add_argument("--d-vocab", type=int, default=5000)
     args = p.parse_args(argv)
-    for name in ("tokens", "batch_tokens", "rows_per_block", "rows_per_forward", "k", "m", "n_layers"):
+    for name in ("tokens", "batch_tokens", "rows_per_shard", "rows_per_forward", "k", "m", "n_layers"):
         if getattr(args, name) <= 0:
             p.error(f"--{name.replace('_', '-')} must be positive")
     if args.k < 2:
         p.error("--k must be >= 2 (the four-learner run uses K/2 and K)")
     if args.tokens % args.batch_tokens:
         p.error(f"--tokens {args.tokens} must be a multiple of --batch-tokens {args.batch_tokens}")
-    if args.rows_per_block * (args.context_size - 1) < args.batch_tokens:
-        p.error("--rows-per-block * (--context-size - 1) must hold at least one batch of --batch-tokens")
+    if args.rows_per_shard * (args.context_size - 1) < args.batch_tokens:
+        p.error("--rows-per-shard * (--context-size - 1) must hold at least one batch of --batch-tokens")
     if args.model is None and args.d_model % args.n_heads:
         p.error("--d-model must be a multiple of --n-heads")
     return args
@@ -175,13 +175,13 @@ class Rows:
             yield row
 
 
-def stream(model: Any, args: argparse.Namespace, rows: Rows, rows_per_block: int | None = None):
+def stream(model: Any, args: argparse.Namespace, rows: Rows, rows_per_shard: int | None = None):
     return ModelActivations(
         model,
         [args.layer],
         rows,
         context_size=args.context_size,
-        rows_per_block=rows_per_block or args.rows_per_block,
+        rows_per_shard=rows_per_shard or args.rows_per_shard,
         rows_per_forward=args.rows_per_forward,
     )
 
@@ -226,7 +226,7 @@ def drain(source: Any, args: argparse.Namespace, tokens: int) -> float:
     return time.perf_counter() - t0
 
 
-def saelens_store(model: Any, args: argparse.Namespace, rows: torch.Tensor, rows_per_block: int):
+def saelens_store(model: Any, args: argparse.Namespace, rows: torch.Tensor, rows_per_shard: int):
     import datasets
     from sae_lens.training.activations_store import ActivationsStore
 
@@ -242,7 +242,7 @@ def saelens_store(model: Any, args: argparse.Namespace, rows: torch.Tensor, rows
             hook_d_ins={hook_in: model.cfg.d_model, hook_out: model.cfg.d_model},
             streaming=False,
             context_size=args.context_size,
-            n_batches_in_buffer=rows_per_block,  # buffer = n_batches_in_buffer * (context - 1) tokens
+            n_batches_in_buffer=rows_per_shard,  # buffer = n_batches_in_buffer * (context - 1) tokens
             total_training_tokens=args.tokens,
             store_batch_size_prompts=args.rows_per_forward,
             train_batch_size_tokens=args.batch_tokens,
@@ -255,7 +255,7 @@ def saelens_store(model: Any, args: argparse.Namespace, rows: torch.Tensor, rows
 
 
 def run_saelens(
-    model: Any, args: argparse.Namespace, rows: torch.Tensor, tokens: int, info: Any, rows_per_block: int
+    model: Any, args: argparse.Namespace, rows: torch.Tensor, tokens: int, info: Any, rows_per_shard: int
 ) -> tuple[float, int]:
     """Wall seconds of SAELens's multi-hook store feeding our Transcoder in a plain Adam loop, and the
     rows the store read. Our trainer's loss (NMSE, scale from the first batch); no decoder-norm upkeep,
@@ -263,7 +263,7 @@ def run_saelens(
     spec = LearnerSpec("transcoder", args.layer, k=args.k, width_multiplier=args.m)
     layer = build_layer(spec, info, seed=args.seed * 7919)  # the same init as the Trainer's first learner
     optimizer = torch.optim.Adam(layer.parameters(), lr=train_config(args, tokens).lr, fused=True)
-    store, hook_in, hook_out = saelens_store(model, args, rows, rows_per_block)
+    store, hook_in, hook_out = saelens_store(model, args, rows, rows_per_shard)
     steps = tokens // args.batch_tokens
     gc.collect()
     t0 = time.perf_counter()
@@ -297,12 +297,12 @@ def run(argv: Sequence[str] | None = None) -> dict:
 
     steps = args.tokens // args.batch_tokens
     per_row = args.context_size - 1  # position 0 is dropped by both pipelines
-    block_tokens = args.rows_per_block * per_row
-    batches_per_block = block_tokens // args.batch_tokens
-    n_blocks = math.ceil(steps / batches_per_block)
-    our_rows = n_blocks * args.rows_per_block
+    shard_tokens = args.rows_per_shard * per_row
+    batches_per_shard = shard_tokens // args.batch_tokens
+    n_shards = math.ceil(steps / batches_per_shard)
+    our_rows = n_shards * args.rows_per_shard
     # SAELens serves a batch once its buffer is full and keeps half of it: a margin of two buffers.
-    saelens_rows = math.ceil(args.tokens / per_row) + 2 * args.rows_per_block + args.rows_per_forward
+    saelens_rows = math.ceil(args.tokens / per_row) + 2 * args.rows_per_shard + args.rows_per_forward
     rows = token_rows(model, args.context_size, max(our_rows, saelens_rows), args.seed)
 
     k_lo, k = args.k // 2, args.k
@@ -324,12 +324,12 @@ def run(argv: Sequence[str] | None = None) -> dict:
         tmp = Path(tmp)
         # Warm-up: two steps of every code path (model forward, each learner, SAELens store, cache).
         warm_tokens = 2 * args.batch_tokens
-        warm_block = math.ceil(warm_tokens / per_row)
-        n_warm = math.ceil(warm_tokens / per_row) + 3 * warm_block + args.rows_per_forward
+        warm_shard = math.ceil(warm_tokens / per_row)
+        n_warm = math.ceil(warm_tokens / per_row) + 3 * warm_shard + args.rows_per_forward
         warm_rows = token_rows(model, args.context_size, n_warm, args.seed + 1)
-        run_trainer(specs, stream(model, args, Rows(warm_rows), warm_block), args, warm_tokens, tmp / "warm")
-        run_saelens(model, args, warm_rows, warm_tokens, info, warm_block)
-        write_cache(stream(model, args, Rows(warm_rows), warm_block), tmp / "warm-cache", 1, progress=False)
+        run_trainer(specs, stream(model, args, Rows(warm_rows), warm_shard), args, warm_tokens, tmp / "warm")
+        run_saelens(model, args, warm_rows, warm_tokens, info, warm_shard)
+        write_cache(stream(model, args, Rows(warm_rows), warm_shard), tmp / "warm-cache", 1, progress=False)
         drain(CachedActivations(tmp / "warm-cache"), args, warm_tokens)
 
         busy: dict[str, float | None] = {}
@@ -351,7 +351,7 @@ def run(argv: Sequence[str] | None = None) -> dict:
 
         def write() -> float:
             t0 = time.perf_counter()
-            write_cache(stream(model, args, Rows(rows)), tmp / "cache", n_blocks, progress=False)
+            write_cache(stream(model, args, Rows(rows)), tmp / "cache", n_shards, progress=False)
             return time.perf_counter() - t0
 
         def live(name: str, fn: Callable[[Rows], float]) -> None:
@@ -373,7 +373,7 @@ def run(argv: Sequence[str] | None = None) -> dict:
             )
         rows_read["SAELens store + our transcoder"] = measure(
             "SAELens store + our transcoder",
-            lambda: run_saelens(model, args, rows, args.tokens, info, args.rows_per_block),
+            lambda: run_saelens(model, args, rows, args.tokens, info, args.rows_per_shard),
         )
         measure("write cache", write)
         extra["cache_bytes"] = sum(f.stat().st_size for f in (tmp / "cache").iterdir())
@@ -385,7 +385,7 @@ def run(argv: Sequence[str] | None = None) -> dict:
 
     alone = {spec.name: times[f"{spec.name} alone"] for spec in specs}
     tokens_per_s = {
-        name: (n_blocks * block_tokens if name == "write cache" else args.tokens) / s
+        name: (n_shards * shard_tokens if name == "write cache" else args.tokens) / s
         for name, s in times.items()
     }
     ratios = {
@@ -394,31 +394,31 @@ def run(argv: Sequence[str] | None = None) -> dict:
         / tokens_per_s["SAELens store + our transcoder"],
         "cache_vs_live": tokens_per_s[f"{tc_k.name} from cache"] / tokens_per_s[f"{tc_k.name} alone"],
     }
-    # The model forward's cost per row read, from the stream-only run (which reads exactly n_blocks
-    # blocks); a live run's learner part is its time minus that cost of the rows it read.
+    # The model forward's cost per row read, from the stream-only run (which reads exactly n_shards
+    # shards); a live run's learner part is its time minus that cost of the rows it read.
     per_row = times["stream only"] / rows_read["stream only"]
     learner_s = {n: t - per_row * rows_read[f"{n} alone"] for n, t in alone.items()}
     breakdown = {
         "stream s/step": times["stream only"] / steps,
-        "stream s/block": per_row * args.rows_per_block,
+        "stream s/shard": per_row * args.rows_per_shard,
         "learner s/step": {n: v / steps for n, v in learner_s.items()},
         "stream share": {n: 1 - learner_s[n] / t for n, t in alone.items()},
         "cached learner s/step": (times[f"{tc_k.name} from cache"] - times["cache read only"]) / steps,
-        # the ratio if every run read exactly the blocks it trains on (no extra block, see rows read)
-        "one-stream ratio without the extra block": (
+        # the ratio if every run read exactly the shards it trains on (no extra shard, see rows read)
+        "one-stream ratio without the extra shard": (
             times["4 learners, one stream"] - per_row * (rows_read["4 learners, one stream"] - our_rows)
         )
         / sum(t - per_row * (rows_read[f"{n} alone"] - our_rows) for n, t in alone.items()),
-        "forward wasted per block": (block_tokens - batches_per_block * args.batch_tokens) / block_tokens,
+        "forward wasted per shard": (shard_tokens - batches_per_shard * args.batch_tokens) / shard_tokens,
     }
     result = dict(
         args=vars(args),
         argv=list(argv) if argv is not None else sys.argv[1:],
         model=model_desc,
         steps=steps,
-        n_blocks=n_blocks,
-        block_tokens=block_tokens,
-        batches_per_block=batches_per_block,
+        n_shards=n_shards,
+        shard_tokens=shard_tokens,
+        batches_per_shard=batches_per_shard,
         width=width,
         n_experts=n_experts,
         times=times,
@@ -460,10 +460,10 @@ def print_report(res: dict) -> None:
     print(f"model: {res['model']}")
     print(
         f"stream: layer {L}, rows of {a['context_size']} seeded random tokens (position 0 dropped: "
-        f"{a['context_size'] - 1} tokens/row), {a['rows_per_forward']} rows per forward, blocks of "
-        f"{a['rows_per_block']} rows = {res['block_tokens']:,} tokens = {res['batches_per_block']} batches of "
-        f"{a['batch_tokens']:,} ({100 * b['forward wasted per block']:.1f}% of each block's tokens are "
-        f"computed and dropped); {a['tokens']:,} tokens = {res['steps']} steps = {res['n_blocks']} blocks "
+        f"{a['context_size'] - 1} tokens/row), {a['rows_per_forward']} rows per forward, shards of "
+        f"{a['rows_per_shard']} rows = {res['shard_tokens']:,} tokens = {res['batches_per_shard']} batches of "
+        f"{a['batch_tokens']:,} ({100 * b['forward wasted per shard']:.1f}% of each shard's tokens are "
+        f"computed and dropped); {a['tokens']:,} tokens = {res['steps']} steps = {res['n_shards']} shards "
         f"= {res['rows_needed']:,} rows per variant"
     )
     print(
@@ -473,12 +473,12 @@ def print_report(res: dict) -> None:
     )
     print(
         f"SAELens: ActivationsStore.from_config_multi_hook(hook_names=['blocks.{L}.mlp.hook_in', "
-        f"'blocks.{L}.hook_mlp_out'], n_batches_in_buffer={a['rows_per_block']}, "
+        f"'blocks.{L}.hook_mlp_out'], n_batches_in_buffer={a['rows_per_shard']}, "
         f"store_batch_size_prompts={a['rows_per_forward']}, seqpos_slice=(1, None)) on a datasets.Dataset of the "
         "same rows (column input_ids), feeding our Transcoder in a plain Adam(fused=True) loop"
     )
     print(
-        f"cache: {res['n_blocks']} blocks, {res['cache_bytes'] / 1e6:,.0f} MB float32 (read back from the "
+        f"cache: {res['n_shards']} shards, {res['cache_bytes'] / 1e6:,.0f} MB float32 (read back from the "
         "OS page cache: it was just written)"
     )
     shared = [n for n, v in res["others_cpu"].items() if v is not None and v > 0.05]
@@ -488,7 +488,7 @@ def print_report(res: dict) -> None:
     print("| variant | wall s | s/step | tokens/s | rows read | other processes' CPU |")
     print("|---|---:|---:|---:|---:|---:|")
     for name, s in res["times"].items():
-        steps = res["n_blocks"] * res["batches_per_block"] if name == "write cache" else res["steps"]
+        steps = res["n_shards"] * res["batches_per_shard"] if name == "write cache" else res["steps"]
         note = " (not in any ratio)" if name == "write cache" else ""
         other = res["others_cpu"][name]
         other_s = "?" if other is None else f"{100 * other:.0f}%"
@@ -505,8 +505,8 @@ def print_report(res: dict) -> None:
         print(f"| {label} | {value:.3f} | {goal} | {_met(value, goal)} |")
     print()
     print(
-        f"where time goes: the stream (model forward + shuffling, no learner) costs {b['stream s/block']:.2f} s "
-        f"per block of {a['rows_per_block']} rows, {b['stream s/step']:.3f} s per step; a live run's learner "
+        f"where time goes: the stream (model forward + shuffling, no learner) costs {b['stream s/shard']:.2f} s "
+        f"per shard of {a['rows_per_shard']} rows, {b['stream s/step']:.3f} s per step; a live run's learner "
         "part = its time minus that cost of the rows it read, per step: "
         + ", ".join(f"{n} {s:.3f} s" for n, s in b["learner s/step"].items())
     )
@@ -518,9 +518,9 @@ def print_report(res: dict) -> None:
     extra_rows = {n: r - res["rows_needed"] for n, r in res["rows_read"].items() if r > res["rows_needed"]}
     if extra_rows:
         print(
-            "rows read beyond the blocks trained on: "
+            "rows read beyond the shards trained on: "
             + ", ".join(f"{n} +{r:,}" for n, r in extra_rows.items())
-            + f"; (a) without the Trainers' extra rows: {b['one-stream ratio without the extra block']:.3f}"
+            + f"; (a) without the Trainers' extra rows: {b['one-stream ratio without the extra shard']:.3f}"
         )
     sys.stdout.flush()
 

@@ -110,7 +110,7 @@ def run_sparsify(hf_model, rows, args, warmup, dead_window, bos, folder):
 
 def run_ours(arch, model, rows, args, warmup, dead_window, folder):
     stream = ModelActivations(
-        model, [args.layer], lambda: iter(rows), args.context, rows_per_block=args.rows_per_step
+        model, [args.layer], lambda: iter(rows), args.context, rows_per_shard=args.rows_per_step
     )
     stream.text_info = {"text": args.text, "split": "train", "eval_fraction": 0.02, "split_seed": 0}
     tokens_per_step = args.rows_per_step * (args.context - stream.info.drop_first_position)

@@ -22,7 +22,7 @@ from typing import Any
 
 from mxd_lens import logs  # noqa: F401 (the mxd_lens logger's default handler)
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 LAYER_NAMES = (  # what mxd_lens.layers exports (its __all__ is this tuple)
     "ARCHITECTURES",
@@ -50,7 +50,6 @@ _WHERE = {  # public name -> the module that defines it
     **dict.fromkeys(LAYER_NAMES, "mxd_lens.layers"),
 }
 __all__ = sorted(_WHERE)
-_RENAMED = ("Transcoder", "TranscoderConfig", "SkipTranscoder", "SkipTranscoderConfig")  # deprecated
 
 
 def __getattr__(name: str) -> Any:
@@ -58,10 +57,6 @@ def __getattr__(name: str) -> Any:
         value = getattr(importlib.import_module(_WHERE[name]), name)
         globals()[name] = value  # next time without this function
         return value
-    if name in _RENAMED:
-        from mxd_lens.layers.transcoder import deprecated_name
-
-        return deprecated_name(__name__, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")  # (a submodule is then imported)
 
 

@@ -1,19 +1,20 @@
-"""(MLP input, MLP output) pairs for several layers from one model forward, an on-disk cache of them,
-and the shuffled batches a trainer consumes.
+"""(MLP input, MLP output) pairs at several transformer blocks from one model forward, an on-disk cache
+of them, and the shuffled batches a trainer consumes.
 
-The stream is cut into **blocks**: a fixed number of token rows whose activations are computed
-together (one model forward per ``rows_per_forward`` rows, stopping after the last layer needed). An
-on-disk cache stores one safetensors shard per block, ``shard_000000.safetensors`` on (a cache
-written before they were named shards holds ``block_000000.safetensors`` ...: read and extended as it is).
+The stream is cut into **shards**: a fixed number (``rows_per_shard``) of token rows whose activations
+are computed together (one model forward per ``rows_per_forward`` rows, stopping after the last block
+needed). An on-disk cache stores each shard as one safetensors file, ``shard_000000.safetensors`` on (a
+cache written before they were named shards holds ``block_000000.safetensors`` ...: read and extended
+as it is). "Block" always means a transformer block.
 
 Batches come from **windows**, each permuted by a generator seeded by (seed, epoch, window) and cut
 into batches that run on across window (and epoch) ends, so no token is dropped:
 
-- from a live model, a window is one block, in stream order (the text is read once);
-- from a cache, every epoch is a fresh seeded permutation of all (block, chunk) pieces of the cache,
+- from a live model, a window is one shard, in stream order (the text is read once);
+- from a cache, every epoch is a fresh seeded permutation of all (shard, chunk) pieces of the cache,
   ``chunk_tokens`` consecutive tokens each, grouped into windows of ``buffer_tokens``: a **global**
   shuffle with a bounded buffer, each token visited exactly once per epoch, epochs without end
-  (``shuffle="block"`` reads a cache the way the live stream reads the model).
+  (``shuffle="shard"`` reads a cache the way the live stream reads the model).
 
 A batch is therefore fixed by its token offset in the stream alone: a resumed run restarts at
 ``tokens_seen`` (re-reading one window) with no buffer to checkpoint, bit for bit.
@@ -74,7 +75,7 @@ class StreamInfo:
     blocks: list[int]  # the transformer blocks whose MLP input and output the stream holds
     d_in: int
     d_out: int
-    rows_per_block: int
+    rows_per_shard: int  # token rows per shard
     context_size: int
     drop_first_position: bool
     d_hidden: int = 0
@@ -84,28 +85,34 @@ class StreamInfo:
 
     @classmethod
     def from_dict(cls, saved: dict[str, Any]) -> StreamInfo:
-        """A stream's record as a cache manifest holds it, also one written before ``layers`` was
-        renamed ``blocks``."""
+        """A stream's record as a cache manifest holds it, also one written under the old key names
+        (``upgrade_stream_record``)."""
         return cls(**upgrade_stream_record(saved))
 
     @property
-    def tokens_per_block(self) -> int:
-        return self.rows_per_block * (self.context_size - int(self.drop_first_position))
+    def tokens_per_shard(self) -> int:
+        return self.rows_per_shard * (self.context_size - int(self.drop_first_position))
+
+
+# Old-data reader: the keys a stream record (a cache manifest's or a checkpoint's ``stream``) had in
+# caches and checkpoints written before the renames, and their names now.
+OLD_STREAM_KEYS = {"layers": "blocks", "rows_per_block": "rows_per_shard"}
 
 
 def upgrade_stream_record(saved: dict[str, Any]) -> dict[str, Any]:
-    """A saved stream record (a manifest's or a checkpoint's ``stream``) with today's key names:
-    ``layers`` was renamed ``blocks``."""
-    if "layers" in saved and "blocks" not in saved:
-        saved = {("blocks" if k == "layers" else k): v for k, v in saved.items()}
+    """A saved stream record (a manifest's or a checkpoint's ``stream``) with today's key names
+    (old-data reader: ``layers`` was renamed ``blocks``, ``rows_per_block`` ``rows_per_shard``)."""
+    old = [k for k in OLD_STREAM_KEYS if k in saved and OLD_STREAM_KEYS[k] not in saved]
+    if old:
+        saved = {(OLD_STREAM_KEYS[k] if k in old else k): v for k, v in saved.items()}
     return saved
 
 
-Block = dict[int, tuple[torch.Tensor, torch.Tensor]]  # layer -> (x [n, d_in], y [n, d_out])
+Shard = dict[int, tuple[torch.Tensor, torch.Tensor]]  # block -> (x [n, d_in], y [n, d_out])
 
 
 class ModelActivations:
-    """Blocks of (MLP input, hook_mlp_out) for ``layers``, computed by running ``model`` on token rows.
+    """Shards of (MLP input, hook_mlp_out) at ``blocks``, computed by running ``model`` on token rows.
 
     ``rows`` is a zero-argument callable returning a fresh, deterministic iterator of [context_size]
     token rows (so a resumed run can start again and skip). ``drop_first_position`` drops position 0
@@ -115,50 +122,50 @@ class ModelActivations:
     def __init__(
         self,
         model: Any,
-        layers: Sequence[int],
+        blocks: Sequence[int],
         rows: Callable[[], Iterator[torch.Tensor]],
         context_size: int,
-        rows_per_block: int = StreamConfig.rows_per_block,
+        rows_per_shard: int = StreamConfig.rows_per_shard,
         rows_per_forward: int = StreamConfig.rows_per_forward,
         drop_first_position: bool = True,
     ):
-        if not layers:
-            raise ValueError("ModelActivations needs at least one layer")
-        for layer in layers:
-            hooks.check_block(model, layer)
+        if not blocks:
+            raise ValueError("ModelActivations needs at least one block")
+        for block in blocks:
+            hooks.check_block(model, block)
         if not 2 <= context_size <= model.cfg.n_ctx:
             raise ValueError(
                 f"context_size={context_size} must be in 2..{model.cfg.n_ctx} (the model's n_ctx)"
             )
-        if rows_per_block <= 0 or rows_per_forward <= 0:
+        if rows_per_shard <= 0 or rows_per_forward <= 0:
             raise ValueError(
-                f"rows_per_block={rows_per_block} and rows_per_forward={rows_per_forward} must be positive"
+                f"rows_per_shard={rows_per_shard} and rows_per_forward={rows_per_forward} must be positive"
             )
-        self.model, self.layers, self.rows = model, sorted(set(layers)), rows
+        self.model, self.blocks, self.rows = model, sorted(set(blocks)), rows
         self.text_info: dict[str, Any] | None = None  # set by from_text: where the rows come from
         from mxd_lens.models import model_source
 
         self.model_source = model_source(model)  # where the model came from (load_model's record)
-        self.rows_per_forward = min(rows_per_forward, rows_per_block)
+        self.rows_per_forward = min(rows_per_forward, rows_per_shard)
         self.info = StreamInfo(
             model_name=model.cfg.model_name,
-            blocks=self.layers,
+            blocks=self.blocks,
             d_in=model.cfg.d_model,
             d_out=model.cfg.d_model,
-            rows_per_block=rows_per_block,
+            rows_per_shard=rows_per_shard,
             context_size=context_size,
             drop_first_position=drop_first_position,
             d_hidden=model.cfg.d_mlp,
             activation=model.cfg.act_fn,
             gated=bool(model.cfg.gated_mlp),
-            hook_names={str(L): [hooks.mlp_in_hook(L), hooks.mlp_out_hook(L)] for L in self.layers},
+            hook_names={str(L): [hooks.mlp_in_hook(L), hooks.mlp_out_hook(L)] for L in self.blocks},
         )
 
     @classmethod
     def from_text(
         cls,
         model: Any,
-        layers: Sequence[int],
+        blocks: Sequence[int],
         text: str,
         context_size: int = StreamConfig.context_size,
         eval_fraction: float = StreamConfig.eval_fraction,
@@ -176,7 +183,7 @@ class ModelActivations:
             return token_rows.rows(texts)
 
         kwargs.setdefault("drop_first_position", token_rows.prepend_bos)
-        stream = cls(model, layers, rows, context_size=context_size, **kwargs)
+        stream = cls(model, blocks, rows, context_size=context_size, **kwargs)
         local = data.resolve_text(text)
         stream.text_info = {
             "text": data.text_name(text),
@@ -194,48 +201,48 @@ class ModelActivations:
         return stream
 
     @classmethod
-    def from_config(cls, model: Any, layers: Sequence[int], config: StreamConfig) -> ModelActivations:
+    def from_config(cls, model: Any, blocks: Sequence[int], config: StreamConfig) -> ModelActivations:
         """``from_text`` with ``config``'s text and settings (``config.model`` names ``model``; it is
         not loaded here)."""
         if not config.text:
             raise ValueError("a live stream needs a text (StreamConfig.text / --text)")
         return cls.from_text(
             model,
-            layers,
+            blocks,
             config.text,
             config.context_size,
             eval_fraction=config.eval_fraction,
             split_seed=config.split_seed,
-            rows_per_block=config.rows_per_block,
+            rows_per_shard=config.rows_per_shard,
             rows_per_forward=config.rows_per_forward,
         )
 
     @torch.inference_mode()
-    def forward(self, tokens: torch.Tensor) -> Block:
+    def forward(self, tokens: torch.Tensor) -> Shard:
         """Activations of a [rows, context] token batch, flattened to tokens."""
         if tokens.shape[-1] != self.info.context_size:
             raise ValueError(
                 f"token rows have length {tokens.shape[-1]}, expected context_size={self.info.context_size}"
             )
-        with hooks.capture_mlp_io(self.model, self.layers) as io:
-            self.model(tokens.to(self.model.cfg.device), stop_at_layer=self.layers[-1] + 1)
+        with hooks.capture_mlp_io(self.model, self.blocks) as io:
+            self.model(tokens.to(self.model.cfg.device), stop_at_layer=self.blocks[-1] + 1)
         start = int(self.info.drop_first_position)
-        out: Block = {}
-        for layer in self.layers:
-            x, y = (io[layer][key][:, start:].reshape(-1, io[layer][key].shape[-1]) for key in ("in", "out"))
-            out[layer] = (x.float().cpu(), y.float().cpu())
+        out: Shard = {}
+        for block in self.blocks:
+            x, y = (io[block][key][:, start:].reshape(-1, io[block][key].shape[-1]) for key in ("in", "out"))
+            out[block] = (x.float().cpu(), y.float().cpu())
         return out
 
-    def blocks(self, start: int = 0) -> Iterator[Block]:
-        """Blocks ``start``, ``start + 1``, ...; ends when the rows run out (a partial block is dropped)."""
+    def shards(self, start: int = 0) -> Iterator[Shard]:
+        """Shards ``start``, ``start + 1``, ...; ends when the rows run out (a partial shard is dropped)."""
         rows = self.rows()
-        skip = start * self.info.rows_per_block
+        skip = start * self.info.rows_per_shard
         for _ in range(skip):
             if next(rows, None) is None:
                 return
         while True:
-            chunk = list(itertools.islice(rows, self.info.rows_per_block))
-            if len(chunk) < self.info.rows_per_block:
+            chunk = list(itertools.islice(rows, self.info.rows_per_shard))
+            if len(chunk) < self.info.rows_per_shard:
                 return
             parts = [
                 self.forward(torch.stack(chunk[i : i + self.rows_per_forward]))
@@ -243,22 +250,22 @@ class ModelActivations:
             ]
             yield {
                 L: (torch.cat([p[L][0] for p in parts]), torch.cat([p[L][1] for p in parts]))
-                for L in self.layers
+                for L in self.blocks
             }
 
     epoch_tokens: int | None = None  # a live stream's length is not known up front; it is read once
 
     def windows(self, seed: int, start: int = 0) -> Iterator[Window]:
-        """The live stream's windows: its blocks in order, each permuted, from the one holding ``start``."""
-        per_block = self.info.tokens_per_block
-        first = start // per_block
-        for index, block in enumerate(self.blocks(start=first), start=first):
-            _check_finite(block, f"block {index}")
-            yield index * per_block, _permuted(block, _generator(seed, 0, index))
+        """The live stream's windows: its shards in order, each permuted, from the one holding ``start``."""
+        per_shard = self.info.tokens_per_shard
+        first = start // per_shard
+        for index, shard in enumerate(self.shards(start=first), start=first):
+            _check_finite(shard, f"shard {index}")
+            yield index * per_shard, _permuted(shard, _generator(seed, 0, index))
 
 
 SHARD_PREFIX = "shard_"
-OLD_SHARD_PREFIX = "block_"  # the shards' name before they were called shards (still read and extended)
+OLD_SHARD_PREFIX = "block_"  # old-data reader: the shards' file names before the rename (read and extended)
 
 
 def _shard_name(index: int, prefix: str = SHARD_PREFIX) -> str:
@@ -343,7 +350,7 @@ def _shard_problem(path: Path, record: dict[str, Any] | None, info: StreamInfo, 
             return "does not match the checksum recorded when it was written (its bytes changed on disk)"
         return None
     want = {
-        f"{key}.{L}": (info.tokens_per_block, d)
+        f"{key}.{L}": (info.tokens_per_shard, d)
         for L in info.blocks
         for key, d in (("x", info.d_in), ("y", info.d_out))
     }
@@ -412,19 +419,19 @@ def cache_lock(path: str | Path) -> Iterator[None]:
 def write_cache(
     source: ModelActivations,
     path: str | Path,
-    n_blocks: int,
+    n_shards: int,
     dtype: str = "float32",
     progress: bool = True,
     text_info: dict[str, Any] | None = None,
 ) -> Path:
-    """Write ``n_blocks`` blocks of ``source`` to ``path``: ``manifest.json``, one shard per block and
-    ``shards.jsonl``, each shard's size and checksum.
+    """Write the first ``n_shards`` shards of ``source`` to ``path``: ``manifest.json``, one file per
+    shard and ``shards.jsonl``, each shard's size and checksum.
 
     Each shard is written to a temporary name and renamed, so a killed run leaves only whole shards.
     Running again with the same arguments checks the shards already there and recomputes those that
     are missing or damaged (a shard without a record, as from a killed run or a cache written before
     records, is kept if it loads with the right tensors). Writing into a cache made for another model,
-    layers or block size is refused, and so is a second process writing the same folder at once.
+    blocks or shard size is refused, and so is a second process writing the same folder at once.
     """
     if dtype not in CACHE_DTYPES:
         raise ValueError(f"cache dtype {dtype!r} not supported; choose one of {sorted(CACHE_DTYPES)}")
@@ -461,9 +468,9 @@ def write_cache(
         todo, adopted = [], []
         prefix = _shard_prefix(path)  # an older cache is extended under its own names
         present = _present_shards(path, prefix)
-        checking = [i for i in range(n_blocks) if i in present]
+        checking = [i for i in range(n_shards) if i in present]
         for index in tqdm(
-            checking, desc="checking cache", unit="block", disable=not progress or not checking
+            checking, desc="checking cache", unit="shard", disable=not progress or not checking
         ):
             name = _shard_name(index, prefix)
             record = records.get(name)
@@ -481,21 +488,21 @@ def write_cache(
                 "right tensors and are recorded now, but what they held before cannot be checked",
                 stacklevel=2,
             )
-        todo = sorted(todo + [i for i in range(n_blocks) if i not in present])
+        todo = sorted(todo + [i for i in range(n_shards) if i not in present])
         _write_records(path, records)  # compacted: no partial line for the appends below to follow
         bar = tqdm(
-            total=n_blocks,
-            initial=n_blocks - len(todo),
+            total=n_shards,
+            initial=n_shards - len(todo),
             desc="caching activations",
-            unit="block",
+            unit="shard",
             disable=not progress or not todo,
         )
         for run in _runs(todo):
-            for index, block in zip(run, source.blocks(start=run[0]), strict=False):
+            for index, shard in zip(run, source.shards(start=run[0]), strict=False):
                 tensors = {}
-                for layer, (x, y) in block.items():
-                    tensors[f"x.{layer}"] = x.to(CACHE_DTYPES[dtype]).contiguous()
-                    tensors[f"y.{layer}"] = y.to(CACHE_DTYPES[dtype]).contiguous()
+                for block, (x, y) in shard.items():
+                    tensors[f"x.{block}"] = x.to(CACHE_DTYPES[dtype]).contiguous()
+                    tensors[f"y.{block}"] = y.to(CACHE_DTYPES[dtype]).contiguous()
                 name, record = _shard_name(index, prefix), {}
 
                 def write(
@@ -510,10 +517,10 @@ def write_cache(
                 bar.update(1)
         bar.close()
         _write_records(path, records)
-    written = sum(1 for i in range(n_blocks) if (path / _shard_name(i, prefix)).exists())
-    if written < n_blocks:
+    written = sum(1 for i in range(n_shards) if (path / _shard_name(i, prefix)).exists())
+    if written < n_shards:
         raise ValueError(
-            f"the text ran out after {written} of {n_blocks} blocks; the cache at {path} holds {written}"
+            f"the text ran out after {written} of {n_shards} shards; the cache at {path} holds {written}"
         )
     return path
 
@@ -543,33 +550,34 @@ def _runs(indices: list[int]) -> list[list[int]]:
 
 
 class CachedActivations:
-    """Blocks read back from a cache written by :func:`write_cache` (no model needed).
+    """Shards read back from a cache written by :func:`write_cache` (no model needed).
 
-    ``expect`` (e.g. ``{"model_name": ..., "d_in": ...}``) and ``layers`` are checked against the
-    manifest, with an error naming what differs. The cache holds blocks 0 .. the last one on disk or
-    recorded (at most ``max_blocks``); one of them missing, or of another size than was written, is a
+    ``expect`` (e.g. ``{"model_name": ..., "d_in": ...}``) and ``blocks`` (the transformer blocks to
+    read; default: all the cache holds) are checked against the manifest, with an error naming what
+    differs. The cache holds shards 0 .. the last one on disk or recorded (at most ``max_shards``); one
+    of them missing, or of another size than was written, is a
     :class:`CacheError` here, and a shard's checksum is checked the first time it is read.
     """
 
     def __init__(
         self,
         path: str | Path,
-        layers: Sequence[int] | None = None,
+        blocks: Sequence[int] | None = None,
         expect: dict[str, Any] | None = None,
         *,
-        max_blocks: int | None = None,
+        max_shards: int | None = None,
         shuffle: str = "global",
         buffer_tokens: int = 65_536,
         chunk_tokens: int = 2_048,
     ):
-        if shuffle not in ("global", "block"):
-            raise ValueError(f"shuffle={shuffle!r}: choose 'global' (across the cache) or 'block'")
+        if shuffle not in ("global", "shard"):
+            raise ValueError(f"shuffle={shuffle!r}: choose 'global' (across the cache) or 'shard'")
         if buffer_tokens <= 0 or chunk_tokens <= 0:
             raise ValueError(
                 f"buffer_tokens={buffer_tokens} and chunk_tokens={chunk_tokens} must be positive"
             )
-        if max_blocks is not None and max_blocks <= 0:
-            raise ValueError(f"max_blocks={max_blocks} must be positive")
+        if max_shards is not None and max_shards <= 0:
+            raise ValueError(f"max_shards={max_shards} must be positive")
         self.shuffle, self.buffer_tokens, self.chunk_tokens = shuffle, buffer_tokens, chunk_tokens
         self.path = Path(path)
         manifest_path = self.path / MANIFEST
@@ -588,10 +596,10 @@ class CachedActivations:
         self.text_info = manifest.get("text")  # where the cached text came from, for overlap checks
         self.model_source = manifest.get("model")  # where the model came from (None: an older cache)
         cached = set(self.info.blocks)
-        self.layers = sorted(set(layers)) if layers is not None else list(self.info.blocks)
-        if not set(self.layers) <= cached:
+        self.blocks = sorted(set(blocks)) if blocks is not None else list(self.info.blocks)
+        if not set(self.blocks) <= cached:
             raise ValueError(
-                f"{self.path} caches layers {sorted(cached)}, not {sorted(set(self.layers) - cached)}"
+                f"{self.path} caches blocks {sorted(cached)}, not {sorted(set(self.blocks) - cached)}"
             )
         for key, value in (expect or {}).items():
             if getattr(self.info, key) != value:
@@ -604,13 +612,13 @@ class CachedActivations:
         known = present | {
             i for name in self.records or {} if (i := _shard_index(name, self.shard_prefix)) is not None
         }
-        self.n_blocks = max(known, default=-1) + 1
-        if max_blocks is not None:
-            self.n_blocks = min(self.n_blocks, max_blocks)
-        if self.n_blocks == 0:
-            raise ValueError(f"{self.path} holds no complete block yet")
+        self.n_shards = max(known, default=-1) + 1
+        if max_shards is not None:
+            self.n_shards = min(self.n_shards, max_shards)
+        if self.n_shards == 0:
+            raise ValueError(f"{self.path} holds no complete shard yet")
         problems = []
-        for index in range(self.n_blocks):
+        for index in range(self.n_shards):
             name = self.shard_name(index)
             record = (self.records or {}).get(name)
             if index not in present:
@@ -625,7 +633,7 @@ class CachedActivations:
         if problems:
             shown = problems[:5] + ([f"... and {len(problems) - 5} more"] if len(problems) > 5 else [])
             raise CacheError(f"{self.path} is damaged:\n  " + "\n  ".join(shown) + f"\n{REPAIR}")
-        self.unrecorded = [i for i in range(self.n_blocks) if self.shard_name(i) not in (self.records or {})]
+        self.unrecorded = [i for i in range(self.n_shards) if self.shard_name(i) not in (self.records or {})]
         if self.unrecorded:
             warnings.warn(
                 f"{self.path}: {len(self.unrecorded)} shard(s) have no checksum record "
@@ -642,14 +650,14 @@ class CachedActivations:
     @property
     def epoch_tokens(self) -> int:
         """Tokens in one pass over the cache."""
-        return self.n_blocks * self.info.tokens_per_block
+        return self.n_shards * self.info.tokens_per_shard
 
     def _problem(self, index: int) -> str | None:
         record = (self.records or {}).get(self.shard_name(index))
         return _shard_problem(self.path / self.shard_name(index), record, self.info, self.dtype)
 
-    def _load(self, index: int, lo: int = 0, hi: int | None = None) -> Block:
-        """Tokens ``lo:hi`` of block ``index``, its shard checked the first time it is read here."""
+    def _load(self, index: int, lo: int = 0, hi: int | None = None) -> Shard:
+        """Tokens ``lo:hi`` of shard ``index``, its file checked the first time it is read here."""
         shard_path = self.path / self.shard_name(index)
         if index not in self._verified:
             problem = self._problem(index)
@@ -661,25 +669,25 @@ class CachedActivations:
                 if lo == 0 and hi is None:
                     return {
                         L: (shard.get_tensor(f"x.{L}").float(), shard.get_tensor(f"y.{L}").float())
-                        for L in self.layers
+                        for L in self.blocks
                     }
                 return {
                     L: tuple(shard.get_slice(f"{key}.{L}")[lo:hi].float() for key in ("x", "y"))  # type: ignore[misc]
-                    for L in self.layers
+                    for L in self.blocks
                 }
         except Exception as err:  # changed since it was checked: safetensors' own error, a short file...
             raise CacheError(f"{shard_path} could not be read ({err}); {REPAIR}") from err
 
-    def read(self, block: int, lo: int = 0, hi: int | None = None) -> Block:
-        """Tokens ``lo:hi`` of one block (only those bytes are read from the shard, after the whole
-        shard's checksum is checked on its first read)."""
-        return self._load(block, lo, hi)
+    def read(self, shard: int, lo: int = 0, hi: int | None = None) -> Shard:
+        """Tokens ``lo:hi`` of one shard (only those bytes are read from its file, after the whole
+        file's checksum is checked on its first read)."""
+        return self._load(shard, lo, hi)
 
     def verify(self, progress: bool = False) -> list[str]:
         """Check every shard against its record (size and checksum: reads the whole cache); the
         problems found, one line each naming the shard (empty: the cache is whole)."""
         problems = []
-        for index in tqdm(range(self.n_blocks), desc="verifying cache", unit="block", disable=not progress):
+        for index in tqdm(range(self.n_shards), desc="verifying cache", unit="shard", disable=not progress):
             problem = self._problem(index)
             if problem is None:
                 self._verified.add(index)
@@ -691,20 +699,20 @@ class CachedActivations:
     def windows(self, seed: int, start: int = 0) -> Iterator[Window]:
         """Windows of every epoch, without end, from the one holding stream offset ``start``.
 
-        ``global``: each epoch permutes the (block, chunk) pieces with a generator seeded by
+        ``global``: each epoch permutes the (shard, chunk) pieces with a generator seeded by
         (seed, epoch), groups them into windows of about ``buffer_tokens`` tokens and permutes each
-        window's tokens by (seed, epoch, window). ``block``: the blocks in order, each a window, as a
+        window's tokens by (seed, epoch, window). ``shard``: the shards in order, each a window, as a
         live stream reads them (epoch 0 of a cache equals the live stream it was written from).
         """
-        per_block = self.info.tokens_per_block
-        if self.shuffle == "block":
-            pieces = [[(b, 0, per_block)] for b in range(self.n_blocks)]
+        per_shard = self.info.tokens_per_shard
+        if self.shuffle == "shard":
+            pieces = [[(s, 0, per_shard)] for s in range(self.n_shards)]
             plans = lambda epoch: pieces  # noqa: E731  (the same windows every epoch)
         else:
             chunks = [
-                (b, lo, min(lo + self.chunk_tokens, per_block))
-                for b in range(self.n_blocks)
-                for lo in range(0, per_block, self.chunk_tokens)
+                (s, lo, min(lo + self.chunk_tokens, per_shard))
+                for s in range(self.n_shards)
+                for lo in range(0, per_shard, self.chunk_tokens)
             ]
             per_window = max(1, self.buffer_tokens // self.chunk_tokens)
 
@@ -723,10 +731,10 @@ class CachedActivations:
                 if position + size <= start:  # wholly before the resume point: never read
                     position += size
                     continue
-                parts = [self.read(b, lo, hi) for b, lo, hi in pieces_w]
+                parts = [self.read(s, lo, hi) for s, lo, hi in pieces_w]
                 window = {
                     L: (torch.cat([p[L][0] for p in parts]), torch.cat([p[L][1] for p in parts]))
-                    for L in self.layers
+                    for L in self.blocks
                 }
                 _check_finite(window, f"epoch {epoch}, window {w} of {self.path}")
                 yield position, _permuted(window, _generator(seed, epoch, w))
@@ -734,34 +742,35 @@ class CachedActivations:
             epoch += 1
             epoch_start += self.epoch_tokens
 
-    def blocks(self, start: int = 0) -> Iterator[Block]:
-        for index in range(start, self.n_blocks):
+    def shards(self, start: int = 0) -> Iterator[Shard]:
+        """Shards ``start``, ``start + 1``, ... to the cache's last, whole and in order."""
+        for index in range(start, self.n_shards):
             yield self._load(index)
 
 
-Window = tuple[int, Block]  # (stream offset of the window's first token, its permuted tokens)
+Window = tuple[int, Shard]  # (stream offset of the window's first token, its permuted tokens)
 
 
-def _permuted(block: Block, generator: torch.Generator) -> Block:
-    n = next(iter(block.values()))[0].shape[0]
+def _permuted(shard: Shard, generator: torch.Generator) -> Shard:
+    n = next(iter(shard.values()))[0].shape[0]
     order = torch.randperm(n, generator=generator)
-    return {L: (x[order], y[order]) for L, (x, y) in block.items()}
+    return {L: (x[order], y[order]) for L, (x, y) in shard.items()}
 
 
 def _generator(seed: int, epoch: int, window: int) -> torch.Generator:
     return torch.Generator().manual_seed((seed * 1_000_003 + epoch) * 1_000_003 + window)
 
 
-def _check_finite(block: Block, where: str) -> None:
-    for layer, (x, y) in block.items():
+def _check_finite(shard: Shard, where: str) -> None:
+    for block, (x, y) in shard.items():
         if not (torch.isfinite(x).all() and torch.isfinite(y).all()):
-            raise FloatingPointError(f"non-finite activations at layer {layer} in {where}")
+            raise FloatingPointError(f"non-finite activations at block {block} in {where}")
 
 
 def shuffled_batches(
     source: ModelActivations | CachedActivations, batch_tokens: int, seed: int, start: int = 0
-) -> Iterator[Block]:
-    """Batches {layer: (x [batch_tokens, d_in], y [batch_tokens, d_out])} of the shuffled stream,
+) -> Iterator[Shard]:
+    """Batches {block: (x [batch_tokens, d_in], y [batch_tokens, d_out])} of the shuffled stream,
     beginning ``start`` tokens into it (a multiple of ``batch_tokens`` to resume at a step).
 
     Inputs and targets are permuted together. A live stream ends when its text does (a last partial
@@ -769,7 +778,7 @@ def shuffled_batches(
     """
     if batch_tokens <= 0 or start < 0:
         raise ValueError(f"need batch_tokens={batch_tokens} > 0 and start={start} >= 0")
-    parts: list[Block] = []
+    parts: list[Shard] = []
     held = 0
     for offset, window in source.windows(seed, start):
         n = next(iter(window.values()))[0].shape[0]

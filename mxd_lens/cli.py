@@ -83,10 +83,10 @@ class CacheCommand:
 
     out: str
     """cache folder"""
-    blocks: list[int] | None = field(default=None, metadata={"alias": ["--layers"]})
-    """transformer blocks whose MLP to cache (required to write; --layers: its old name)"""
+    blocks: list[int] | None = None
+    """transformer blocks whose MLP to cache (required to write)"""
     shards: int | None = None
-    """shards to write, each rows-per-block rows (tokens = shards x rows-per-block x context; required to write)"""
+    """shards to write, each rows-per-shard rows (tokens = shards x rows-per-shard x context; required to write)"""
     verify: bool = False
     """check every shard of the cache at --out against its recorded checksum and write nothing (exit 1 if
     damaged; with --shards, also that it holds that many)"""
@@ -102,10 +102,10 @@ class TrainCommand:
     """output folder"""
     cache: str | None = None
     """activation cache folder from `mxd-lens cache` (no model needed)"""
-    blocks: list[int] | None = field(default=None, metadata={"alias": ["--layers"]})
-    """transformer blocks to train at (all the cache holds when not given; --layers: its old name)"""
-    shuffle: Literal["global", "block"] = "global"
-    """with --cache: permute all of it every epoch (global), or read it block by block as a live stream"""
+    blocks: list[int] | None = None
+    """transformer blocks to train at (all the cache holds when not given)"""
+    shuffle: Literal["global", "shard"] = "global"
+    """with --cache: permute all of it every epoch (global), or read it shard by shard as a live stream"""
     arch: list[str] = field(default_factory=lambda: [RECOMMENDED_MXD, "transcoder"])
     """architectures: keys of mxd_lens.ARCHITECTURES (mxd, transcoder, skip_transcoder, any registered), each
     with config options if wanted: mxd:gate=topk, mxd:balance_rate=0.001, mxd:d_hidden=384; plain 'mxd' is
@@ -208,7 +208,9 @@ def _publish(args: argparse.Namespace) -> int:
 def _export(args: argparse.Namespace) -> int:
     """Write saved TopK transcoders / skip transcoders (one per block) as a circuit-tracer
     transcoder set: config.yaml and layer_{block}.safetensors (W_enc, W_dec, b_enc, b_dec, W_skip).
-    An MxD has no fixed decoder vectors, so it cannot be exported (use expert attribution)."""
+    circuit-tracer loads a local set by its ABSOLUTE path (load_transcoder_from_hub("/abs/dir"), then
+    TopK set on each transcoder; see docs/layers.md). An MxD has no fixed decoder vectors, so it
+    cannot be exported (use expert attribution)."""
     from mxd_lens.export import export_circuit_tracer
 
     try:
@@ -216,6 +218,10 @@ def _export(args: argparse.Namespace) -> int:
     except (ValueError, TypeError, FileNotFoundError) as err:
         raise SystemExit(f"mxd-lens export: {err}") from None
     print(f"wrote {out}/config.yaml and {', '.join(sorted(p.name for p in out.glob('layer_*.safetensors')))}")
+    print(
+        f"load it in circuit-tracer by this absolute path: load_transcoder_from_hub({str(out)!r}), then set "
+        "each transcoder's activation_function to TopK(config['k']) (docs/layers.md)"
+    )
     return 0
 
 
@@ -304,19 +310,19 @@ def _cache(args: argparse.Namespace) -> int:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # shards without a checksum are reported below
                 cache = CachedActivations(args.out)
-        except (FileNotFoundError, ValueError) as err:  # not a cache, no block yet, a shard missing
+        except (FileNotFoundError, ValueError) as err:  # not a cache, no shard yet, a shard missing
             print(f"mxd-lens cache --verify: {err}")
             return 1
         problems = cache.verify(progress=True)
-        if args.shards is not None and cache.n_blocks < args.shards:
-            problems.append(f"{cache.path} holds {cache.n_blocks} of the {args.shards} shards asked for")
+        if args.shards is not None and cache.n_shards < args.shards:
+            problems.append(f"{cache.path} holds {cache.n_shards} of the {args.shards} shards asked for")
         if problems:
             print(f"{cache.path} is damaged ({len(problems)} problem(s)):")
             for problem in problems:
                 print(f"  {problem}")
             print(REPAIR)
             return 1
-        print(f"{cache.path}: {cache.n_blocks} shards, {cache.epoch_tokens:,} tokens, every shard intact")
+        print(f"{cache.path}: {cache.n_shards} shards, {cache.epoch_tokens:,} tokens, every shard intact")
         if cache.unrecorded:
             print(
                 f"  {len(cache.unrecorded)} shard(s) have no recorded checksum, so only that they load was "
@@ -326,8 +332,7 @@ def _cache(args: argparse.Namespace) -> int:
     if args.blocks is None or args.shards is None:
         raise SystemExit(
             "mxd-lens cache: --blocks (the transformer blocks to cache) and --shards (how many shards of "
-            "--rows-per-block rows to write) are required to write a cache; before the rename, --layers "
-            "named the blocks and --blocks counted the shards"
+            "--rows-per-shard rows to write) are required to write a cache"
         )
     from mxd_lens.models import load_model
 
@@ -338,14 +343,14 @@ def _cache(args: argparse.Namespace) -> int:
     )
     try:
         path = write_cache(
-            stream, args.out, n_blocks=args.shards, dtype=args.dtype, text_info=stream.text_info
+            stream, args.out, n_shards=args.shards, dtype=args.dtype, text_info=stream.text_info
         )
     except CacheLockedError as err:
         raise SystemExit(f"mxd-lens cache: {err}") from None
-    tokens = args.shards * stream.info.tokens_per_block
+    tokens = args.shards * stream.info.tokens_per_shard
     size = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
     print(
-        f"activation cache at {path}: {args.shards} shards, {tokens:,} tokens x {len(stream.layers)} block(s), "
+        f"activation cache at {path}: {args.shards} shards, {tokens:,} tokens x {len(stream.blocks)} block(s), "
         f"{size / 2**30:.2f} GiB on disk ({args.dtype})"
     )
     return 0
@@ -364,7 +369,7 @@ def _train(args: argparse.Namespace) -> int:
         dist.init_process_group("nccl" if args.device.startswith("cuda") else "gloo")
     model = None
     if args.cache:
-        source = CachedActivations(args.cache, layers=args.blocks, shuffle=args.shuffle)
+        source = CachedActivations(args.cache, blocks=args.blocks, shuffle=args.shuffle)
         if stream_config.model:  # used (e.g. by --init mlp), so it must be the model the cache was made with
             from mxd_lens.models import load_model, model_identity, model_source
 

@@ -59,7 +59,7 @@ def scheduled_lr(
 @dataclass
 class StreamConfig:
     """A live activation stream: ``model`` run over the 'train' side of ``text``'s document split,
-    packed into rows and shuffled block by block (``ModelActivations.from_config``)."""
+    packed into rows and shuffled shard by shard (``ModelActivations.from_config``)."""
 
     model: str | None = None
     """smollm2-135m (offline default), a .gguf file, a local Hugging Face folder, or a TransformerLens name (hub)"""
@@ -69,8 +69,8 @@ class StreamConfig:
     """a .txt/.jsonl file (also .xz/.gz), a folder of them, or a Hugging Face dataset name"""
     context_size: int = 128
     """tokens per row, BOS included"""
-    rows_per_block: int = 256
-    """rows per shuffled block / cache shard"""
+    rows_per_shard: int = 256
+    """token rows per shard: what a live stream shuffles at once, and what one cache file holds"""
     rows_per_forward: int = 16
     """rows per model forward"""
     eval_fraction: float = 0.02

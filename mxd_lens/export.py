@@ -1,25 +1,55 @@
 """Export TopK transcoders and skip transcoders to circuit-tracer's transcoder-set format.
 
-``export_circuit_tracer(layers, out)`` writes, for each layer (one per block),
-``layer_{block}.safetensors`` with circuit-tracer's ``SingleLayerTranscoder`` tensors
+``export_circuit_tracer(layers, out)`` writes the folder circuit-tracer's loader reads (checked
+against circuit-tracer 0.5.0, ``circuit_tracer/utils/hf_utils.py`` and ``utils/caching.py``):
 
-- ``W_enc`` [F, d] (ours transposed: circuit-tracer encodes ``F.linear(x, W_enc, b_enc)``),
-- ``W_dec`` [F, d], ``b_enc`` [F], ``b_dec`` [d],
-- ``W_skip`` [d, d] for skip transcoders (ours transposed: circuit-tracer adds ``x @ W_skip.T``),
+- ``layer_{block}.safetensors``, one per block, holding exactly the tensors of circuit-tracer's
+  ``SingleLayerTranscoder`` (its loader calls ``load_state_dict`` strictly, so no other key):
+  ``W_enc`` [F, d] (ours transposed: circuit-tracer encodes ``F.linear(x, W_enc, b_enc)``),
+  ``W_dec`` [F, d], ``b_enc`` [F], ``b_dec`` [d], and for skip transcoders ``W_skip`` [d, d] (ours
+  transposed: circuit-tracer adds ``x @ W_skip.T``). The loader finds them by that name beside
+  ``config.yaml`` (it globs ``layer_*.safetensors`` and reads the block from the name), so
+  ``config.yaml`` lists no paths: its ``transcoders`` list, where present, is read as paths taken
+  verbatim (hub URIs, or paths relative to the working directory, not to ``config.yaml``).
+- ``config.yaml`` with the keys the loader reads: ``model_kind: transcoder_set``; ``scan``, the id
+  of this set (see below); ``feature_input_hook: mlp.hook_in`` and ``feature_output_hook:
+  hook_mlp_out`` (what our layers read and write, relative to ``blocks.L``); ``model_name`` (the
+  default ``--model`` of ``circuit-tracer attribute``); ``activation: topk`` and ``k``. Ours besides,
+  which the loader ignores: ``exported_by: mxd-lens`` and ``blocks``.
 
-and ``config.yaml`` with ``model_kind: transcoder_set``, ``feature_input_hook: mlp.hook_in``,
-``feature_output_hook: hook_mlp_out`` (what our layers read and write, relative to ``blocks.L``),
-``activation: topk`` and ``k`` (field names as circuit-tracer's ``load_transcoders`` reads them).
-Upload the folder to a hub repository and ``ReplacementModel.from_pretrained(model, "user/repo")``
-finds it; locally, ``load_transcoder_set({i: "layer_i.safetensors", ...}, ...)`` loads it.
+``scan`` identifies the transcoders an attribution graph was made with: circuit-tracer copies it
+into ``ReplacementModel.scan`` and every graph's metadata, and its graph viewer looks the features'
+examples up under it. A local set keeps ours (``mxd-lens-<model>-<architecture>-k<K>-w<width>``);
+loading from a hub repository replaces it with the repository's id.
+
+To load it in circuit-tracer, give the folder's ABSOLUTE path (a hub repository id after uploading
+it also works). circuit-tracer takes a path for a cache entry, joined onto its cache folder
+(``$CIRCUIT_TRACER_CACHE_DIR`` or ``~/.cache/circuit_tracer``): an absolute path stays itself, but
+a relative one lands in that cache folder and, not found there, is then tried as a hub repository::
+
+    from circuit_tracer import ReplacementModel
+    from circuit_tracer.transcoder.activation_functions import TopK
+    from circuit_tracer.utils.hf_utils import load_transcoder_from_hub
+
+    transcoders, config = load_transcoder_from_hub("/abs/path/to/export")  # or "user/repo"
+    for transcoder in transcoders:  # circuit-tracer 0.5.0 loads a local set with ReLU: set TopK
+        transcoder.activation_function = TopK(config["k"])
+    model = ReplacementModel.from_pretrained_and_transcoders(config["model_name"], transcoders)
+
+The TopK line is needed: the released circuit-tracer 0.5.0 never reads ``activation``/``k`` and
+applies a plain ReLU (every positive pre-activation, not the k largest); its later source reads them
+only when loading from a hub repository. ``ReplacementModel.from_pretrained(model_name,
+"/abs/path/to/export")`` and ``circuit-tracer attribute -t /abs/path/to/export`` load the set the
+same way, so they run it with ReLU.
 
 Two differences to know:
 
 - circuit-tracer's ``TopK`` keeps the k largest pre-activations as they are; ours keeps the k
   largest after a ReLU. The two agree wherever at least k pre-activations are positive (the usual
   case for a trained layer); where fewer are, circuit-tracer also keeps some negative ones.
-- ``TranscoderSet`` wants a transcoder at every block 0..N-1; a partial set is written (each file
-  loads alone with ``load_transcoder``) with a warning.
+- ``TranscoderSet`` and ``ReplacementModel`` want a transcoder at every block 0..N-1 of the model; a
+  partial set is written (each file loads alone with circuit-tracer's ``load_relu_transcoder``,
+  ``load_transcoder`` after 0.5.0) with a warning.
 
 An MxD has no fixed decoder vectors (an expert adds an input-dependent full-rank map), so it has no
 transcoder-set form: its attribution is the expert-level attribution of ``mxd_lens`` (the
@@ -31,6 +61,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Sequence
@@ -41,6 +72,24 @@ log = logging.getLogger(__name__)
 
 FEATURE_INPUT_HOOK = "mlp.hook_in"
 FEATURE_OUTPUT_HOOK = "hook_mlp_out"
+CONFIG_FILE = "config.yaml"  # the name circuit-tracer's loader looks for
+
+
+def layer_file(block: int) -> str:
+    """The file name circuit-tracer's loader reads block ``block``'s transcoder from."""
+    return f"layer_{block}.safetensors"
+
+
+def circuit_tracer_scan(model_name: str, layer: Any) -> str:
+    """The ``scan`` id of a set of layers like ``layer`` on ``model_name``: which transcoders an
+    attribution graph used (circuit-tracer keeps it in the graph; its viewer finds the features'
+    examples under it). Letters, digits and ``._-`` only: no ``/``, ``//`` or ``@``, which the viewer
+    would read as a hub repository, subfolder or revision."""
+    from mxd_lens.layers import TopKSkipTranscoder
+
+    kind = "topk-skip-transcoder" if isinstance(layer, TopKSkipTranscoder) else "topk-transcoder"
+    raw = f"mxd-lens-{model_name or 'model'}-{kind}-k{int(layer.cfg.k)}-w{int(layer.cfg.d_sae)}"
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", raw).strip("-")
 
 
 def circuit_tracer_tensors(layer: Any) -> dict[str, Any]:
@@ -73,9 +122,9 @@ def _check_replaceable(out: Path) -> None:
     if not out.is_dir() or not any(out.iterdir()):
         return
     names = {p.name for p in out.iterdir()}
-    earlier = (out / "config.yaml").is_file() and "exported_by: mxd-lens" in (out / "config.yaml").read_text()
+    earlier = (out / CONFIG_FILE).is_file() and "exported_by: mxd-lens" in (out / CONFIG_FILE).read_text()
     if not earlier or any(
-        n != "config.yaml" and not (n.startswith("layer_") and n.endswith(".safetensors")) for n in names
+        n != CONFIG_FILE and not (n.startswith("layer_") and n.endswith(".safetensors")) for n in names
     ):
         raise ValueError(
             f"--out {out} is not empty and is not an earlier mxd-lens export; give an empty or new folder"
@@ -84,9 +133,13 @@ def _check_replaceable(out: Path) -> None:
 
 def export_circuit_tracer(layers: Sequence[str | Path] | str | Path, out: str | Path) -> Path:
     """Write ``layers`` (saved folders, or folders holding them) as a circuit-tracer transcoder set
-    in ``out``; see the module docstring. They must share K, width and skip-ness, be trained on one
-    model and replace distinct blocks. ``out`` must be new, empty or an earlier export, which is
-    replaced whole (written beside it, then swapped in). Returns ``out``."""
+    in ``out``: ``config.yaml`` (with ``scan``, the set's id) and ``layer_{block}.safetensors``; see
+    the module docstring. They must share K, width and skip-ness, be trained on one model and replace
+    distinct blocks. ``out`` must be new, empty or an earlier export, which is replaced whole (written
+    beside it, then swapped in). Returns ``out`` as an ABSOLUTE path: the form circuit-tracer loads a
+    local set from (a relative path is looked up in its cache folder instead), as in
+    ``load_transcoder_from_hub(str(export_circuit_tracer(layers, out)))`` and then setting each
+    transcoder's ``activation_function`` to ``TopK(config["k"])`` (module docstring)."""
     import yaml
     from safetensors.torch import save_file
 
@@ -120,25 +173,29 @@ def export_circuit_tracer(layers: Sequence[str | Path] | str | Path, out: str | 
         raise ValueError(
             f"a transcoder set is for one model, but these layers were trained on different ones: {listed}"
         )
-    out = Path(out)
+    out = Path(out).absolute()
     _check_replaceable(out)
     # written whole into a fresh folder, then swapped in: no earlier export's file survives beside the new set
     fresh = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent if out.parent.exists() else None))
     for block, (_, layer) in sorted(by_block.items()):
         tensors = circuit_tracer_tensors(layer)
-        atomic_write(fresh / f"layer_{block}.safetensors", lambda tmp, t=tensors: save_file(t, tmp))
+        atomic_write(fresh / layer_file(block), lambda tmp, t=tensors: save_file(t, tmp))
     first = next(iter(by_block.values()))[1]
+    model_name = first.cfg.metadata.model_name
+    # what circuit-tracer 0.5.0 reads (see the module docstring), then ours; no "transcoders" list:
+    # without one the loader reads layer_{block}.safetensors beside config.yaml
     config = {
         "model_kind": "transcoder_set",
-        "model_name": first.cfg.metadata.model_name,
+        "scan": circuit_tracer_scan(model_name, first),
         "feature_input_hook": FEATURE_INPUT_HOOK,
         "feature_output_hook": FEATURE_OUTPUT_HOOK,
+        "model_name": model_name,
         "activation": "topk",
         "k": int(first.cfg.k),
         "exported_by": "mxd-lens",
         "blocks": sorted(by_block),
     }
-    atomic_write_text(fresh / "config.yaml", yaml.safe_dump(config, sort_keys=False))
+    atomic_write_text(fresh / CONFIG_FILE, yaml.safe_dump(config, sort_keys=False))
     os.chmod(fresh, 0o777 & ~_umask())
     out.parent.mkdir(parents=True, exist_ok=True)
     if out.exists():
@@ -151,9 +208,9 @@ def export_circuit_tracer(layers: Sequence[str | Path] | str | Path, out: str | 
     missing = sorted(set(range(max(by_block) + 1)) - set(by_block))
     if missing:
         log.warning(
-            "circuit-tracer's TranscoderSet needs a transcoder at every block 0..%d; blocks %s have none "
-            "(each layer_*.safetensors still loads alone with circuit_tracer's load_transcoder)",
-            max(by_block),
+            "circuit-tracer's TranscoderSet and ReplacementModel need a transcoder at every block of the "
+            "model; blocks %s have none, so the set does not load as a set (each layer_*.safetensors "
+            "still loads alone with circuit-tracer's load_relu_transcoder, load_transcoder after 0.5.0)",
             missing,
         )
     return out

@@ -51,9 +51,6 @@ def check_block(model: HookedTransformer, block: int) -> None:
         raise ValueError(f"{model.cfg.model_name} is attention-only: block {block} has no MLP to replace")
 
 
-check_layer = check_block  # the name before "block" meant indices everywhere
-
-
 def mlp_module(model: HookedTransformer, block: int) -> nn.Module:
     check_block(model, block)
     return model.blocks[block].mlp
@@ -109,13 +106,10 @@ def block_of(layer: MLPReplacement[Any]) -> int:
     return int(match.group(1))
 
 
-layer_index = block_of  # the name before "block" meant indices everywhere
-
-
-def check_fits(model: HookedTransformer, layer: MLPReplacement[Any], index: int) -> None:
-    """Raise unless ``layer`` was made for block ``index`` of a model like ``model``: same widths, and
+def check_fits(model: HookedTransformer, layer: MLPReplacement[Any], block: int) -> None:
+    """Raise unless ``layer`` was made for block ``block`` of a model like ``model``: same widths, and
     the same ``model_name`` when the layer records one."""
-    check_block(model, index)
+    check_block(model, block)
     trained_on = layer.cfg.metadata.model_name
     if trained_on and trained_on != model.cfg.model_name:
         # One model loaded from another source (a .gguf and its Hugging Face folder) has another name

@@ -133,11 +133,6 @@ class LearnerSpec:
 
         return format_arch(self.arch, self.options)
 
-    @property
-    def layer(self) -> int:
-        """The block index under its old name (``block`` now; ``layer`` means a layer object)."""
-        return self.block
-
     @classmethod
     def of(cls, layer: MLPReplacement) -> LearnerSpec:
         """The spec of a layer built elsewhere (``init="given"``)."""
@@ -547,14 +542,21 @@ class Trainer(TrainingLoop):
 
     def read_identity(self, folder: Path) -> dict[str, Any]:
         saved = super().read_identity(folder)
+        # Old-data readers: checkpoints written before the renames resume.
         for spec in (saved.get("learners") or {}).values():  # written before LearnerSpec.layer became block
             if "layer" in spec and "block" not in spec:
                 spec["block"] = spec.pop("layer")
             spec.setdefault("options", {})  # written before LearnerSpec.options
             spec.setdefault("lr", None)  # and LearnerSpec.lr
-        stream = (saved.get("data") or {}).get("stream")
-        if isinstance(stream, dict):  # written before StreamInfo.layers became blocks
-            saved["data"]["stream"] = upgrade_stream_record(stream)
+        data = saved.get("data")
+        if isinstance(data, dict):
+            if isinstance(data.get("stream"), dict):  # StreamInfo.layers, rows_per_block: old names
+                data["stream"] = upgrade_stream_record(data["stream"])
+            if data.get("kind") == "cache":  # a cache's shard count and shuffle, before "block" meant a block
+                if "blocks" in data and "shards" not in data:
+                    data["shards"] = data.pop("blocks")
+                if data.get("shuffle") == "block":
+                    data["shuffle"] = "shard"
         return saved
 
     def write_state(self, folder: Path) -> None:
@@ -590,13 +592,13 @@ class Trainer(TrainingLoop):
         return value
 
     def data_identity(self) -> dict[str, Any]:
-        """What the stream is: the cache's settings and size, or the live stream's model, layers and
+        """What the stream is: the cache's settings and size, or the live stream's model, blocks and
         text; a resume on other data is refused by comparing these."""
         source = self.source
         identity: dict[str, Any] = {"stream": asdict(source.info), "text": self.data_info}
         if isinstance(source, CachedActivations):
             records = source.records or {}
-            sums = [records.get(source.shard_name(i), {}).get("blake2b_256") for i in range(source.n_blocks)]
+            sums = [records.get(source.shard_name(i), {}).get("blake2b_256") for i in range(source.n_shards)]
             identity.update(
                 kind="cache",
                 # the shards' recorded checksums: two caches of other content differ here even when
@@ -606,7 +608,7 @@ class Trainer(TrainingLoop):
                 else None,
                 dtype=source.dtype,
                 cache_text=source.text_info,
-                blocks=source.n_blocks,
+                shards=source.n_shards,
                 shuffle=source.shuffle,
                 buffer_tokens=source.buffer_tokens,
                 chunk_tokens=source.chunk_tokens,

@@ -100,7 +100,7 @@ every learner). A real run uses a cache and several epochs (`mxd-lens cache`, `m
         """from mxd_lens.activations import ModelActivations
 from mxd_lens.training import LearnerSpec, TrainConfig, Trainer
 
-stream = ModelActivations.from_text(model, [1], str(work / "corpus.txt"), context_size=16, rows_per_block=32)
+stream = ModelActivations.from_text(model, [1], str(work / "corpus.txt"), context_size=16, rows_per_shard=32)
 trainer = Trainer([mxd, LearnerSpec("transcoder", 1, k=4)], stream,
                   TrainConfig(total_tokens=64 * 120, batch_tokens=64, lr=3e-3), progress=False)
 metrics = trainer.fit()

@@ -41,8 +41,8 @@ print(model.cfg.model_name, model.cfg.n_layers, "blocks, d_model", model.cfg.d_m
     (
         "code",
         """text = str(default_text())  # the bundled Austen novels; training reads the 'train' side of its split
-stream = ModelActivations.from_text(model, [block], text, context_size=128, rows_per_block=64)
-cache = write_cache(stream, work / "cache", n_blocks=8, dtype="float16", progress=False)  # 8 x 64 x 127 tokens
+stream = ModelActivations.from_text(model, [block], text, context_size=128, rows_per_shard=64)
+cache = write_cache(stream, work / "cache", n_shards=8, dtype="float16", progress=False)  # 8 x 64 x 127 tokens
 source = CachedActivations(cache)
 trainer = Trainer([LearnerSpec("mxd", block, k), LearnerSpec("transcoder", block, k)], source,
                   TrainConfig(epochs=3, batch_tokens=256), work / "run", progress=False)

@@ -26,7 +26,7 @@ def test_train_throughput_runs_on_a_tiny_model_and_reports_three_ratios(capsys):
     import train_throughput
 
     result = train_throughput.run(
-        ["--tokens", "128", "--batch-tokens", "64", "--context-size", "16", "--rows-per-block", "8"]
+        ["--tokens", "128", "--batch-tokens", "64", "--context-size", "16", "--rows-per-shard", "8"]
         + ["--rows-per-forward", "8", "--n-layers", "2", "--d-model", "32", "--d-mlp", "64", "--n-heads", "2"]
         + ["--d-vocab", "100", "--layer", "1", "--k", "4", "--m", "4"]
     )
@@ -125,9 +125,9 @@ def test_stability_runs_each_clip_on_one_cache_and_counts_what_it_clipped(tmp_pa
     from mxd_lens.activations import CachedActivations, ModelActivations, write_cache
     from mxd_lens.training import LearnerSpec, TrainConfig, Trainer
 
-    write_cache(ModelActivations(make_model(), [1], random_rows(), 12, 16), tmp_path / "cache", n_blocks=3)
+    write_cache(ModelActivations(make_model(), [1], random_rows(), 12, 16), tmp_path / "cache", n_shards=3)
     histories = stability.main(
-        ["--cache", str(tmp_path / "cache"), "--block", "1", "--k", "4", "--m", "4", "--max-blocks", "3"]
+        ["--cache", str(tmp_path / "cache"), "--block", "1", "--k", "4", "--m", "4", "--max-shards", "3"]
         + ["--batch-tokens", "32", "--total-steps", "12", "--stop", "9", "--clips", "none", "0.01"]
         + ["--window", "4", "--out", str(tmp_path / "out")]
     )
@@ -136,7 +136,7 @@ def test_stability_runs_each_clip_on_one_cache_and_counts_what_it_clipped(tmp_pa
     # The unclipped run is the plain trainer's, step for step.
     reference = Trainer(
         [LearnerSpec("mxd", 1, 4, 4)],
-        CachedActivations(tmp_path / "cache", layers=[1], max_blocks=3),
+        CachedActivations(tmp_path / "cache", blocks=[1], max_shards=3),
         TrainConfig(total_tokens=12 * 32, batch_tokens=32, grad_clip=None, log_every=1, checkpoint_every=0),
         progress=False,
     )

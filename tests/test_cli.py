@@ -31,7 +31,7 @@ def text_model(tmp_path, monkeypatch):
 
 
 def test_cache_then_train_from_it_equals_training_live(tmp_path, text_model, capsys):
-    stream = ["--model", "tiny", "--text", str(text_model), "--context-size", "12", "--rows-per-block", "16"]
+    stream = ["--model", "tiny", "--text", str(text_model), "--context-size", "12", "--rows-per-shard", "16"]
     assert main(["cache", *stream, "--blocks", "1", "--shards", "4", "--out", str(tmp_path / "cache")]) == 0
     learn = [
         "--arch",
@@ -46,7 +46,7 @@ def test_cache_then_train_from_it_equals_training_live(tmp_path, text_model, cap
         "32",
         "--no-progress",
     ]
-    cached = ["train", "--cache", str(tmp_path / "cache"), "--shuffle", "block"]
+    cached = ["train", "--cache", str(tmp_path / "cache"), "--shuffle", "shard"]
     assert main([*cached, *learn, "--out", str(tmp_path / "a")]) == 0
     assert main(["train", *stream, "--blocks", "1", *learn, "--out", str(tmp_path / "b")]) == 0
     assert main([*cached, *learn, "--grad-clip", "none", "--out", str(tmp_path / "c")]) == 0
@@ -81,7 +81,7 @@ def test_model_with_a_cache_is_used_and_checked_and_cache_applies_the_default_mo
     asked = []
     monkeypatch.setattr(mxd_lens.models, "load_model",
                         lambda name, **kw: asked.append(name) or (other if name == "other" else model))  # fmt: skip
-    stream = ["--text", str(corpus), "--context-size", "12", "--rows-per-block", "16"]
+    stream = ["--text", str(corpus), "--context-size", "12", "--rows-per-shard", "16"]
     assert main(["cache", *stream, "--blocks", "1", "--shards", "2", "--out", str(tmp_path / "cache")]) == 0
     assert asked == [DEFAULT_MODEL]  # what --help names as the default
     learn = [
@@ -260,6 +260,30 @@ def test_threads_option_of_the_heavy_verbs_and_plain_flags(tmp_path, capsys):
         assert "--threads int" in shown and "--nono" not in shown, verb
 
 
+@pytest.mark.parametrize(
+    "verb, old",
+    [
+        ("cache", "--layers"),
+        ("cache", "--rows-per-block"),
+        ("train", "--layers"),
+        ("train", "--rows-per-block"),
+        ("frontier", "--layers"),
+        ("frontier", "--rows-per-block"),
+        ("demo", "--layer"),
+        ("spd-ablation", "--layer"),
+    ],
+)
+def test_the_old_option_names_are_gone(verb, old, capsys):
+    """0.2.0 dropped the old names of block-index and shard options (--blocks, --block, --rows-per-shard)."""
+    import re
+
+    with pytest.raises(SystemExit):
+        main([verb, "--help"])
+    shown = capsys.readouterr().out
+    assert not re.search(rf"{old}(?![\w-])", shown), (verb, old)
+    assert re.search(r"--blocks? |--rows-per-shard ", shown)
+
+
 @pytest.mark.parametrize("command", ["", "check", "cache", "train", *sorted(STUDIES)])
 def test_help_imports_no_torch(command):
     """`mxd-lens [SUB] --help` (every study's verb included) reads only light modules, so it answers at once."""
@@ -298,7 +322,7 @@ def test_eval_records_results_in_the_layer_and_info_shows_the_provenance(tmp_pat
     from mxd_lens.layers.io import load_layer
     from mxd_lens.models import load_model
 
-    stream = ["--model", "tiny", "--text", str(text_model), "--context-size", "12", "--rows-per-block", "16"]
+    stream = ["--model", "tiny", "--text", str(text_model), "--context-size", "12", "--rows-per-shard", "16"]
     learn = ["--arch", "mxd", "--k", "2", "--tokens", "320", "--batch-tokens", "32", "--no-progress"]
     assert main(["train", *stream, "--blocks", "1", *learn, "--out", str(tmp_path / "run")]) == 0
     folder = tmp_path / "run" / "final" / "L1.mxd.k2.m8"
@@ -350,7 +374,7 @@ def test_eval_with_another_copy_of_the_model_is_refused_unless_allowed(tmp_path,
     source = {"name": "m", "model_name": model.cfg.model_name, "kind": "hf_folder", "path": "/x/m"}
     model.mxd_lens_source = {**source, "config_sha256": "a" * 64}
     monkeypatch.setattr(mxd_lens.models, "load_model", lambda name, **kw: model)
-    stream = ["--model", "m", "--text", str(corpus), "--context-size", "12", "--rows-per-block", "16"]
+    stream = ["--model", "m", "--text", str(corpus), "--context-size", "12", "--rows-per-shard", "16"]
     learn = ["--arch", "transcoder", "--k", "2", "--tokens", "320", "--batch-tokens", "32", "--no-progress"]
     assert main(["train", *stream, "--blocks", "1", *learn, "--out", str(tmp_path / "run")]) == 0
     folder = tmp_path / "run" / "final" / "L1.transcoder.k2.m8"
@@ -419,7 +443,7 @@ def test_eval_from_another_folder_finds_what_the_record_names_and_says_what_it_c
     model.mxd_lens_source = {"name": "models/m", "kind": "hf_folder", "path": str(work / "models" / "m"),
                              "model_name": model.cfg.model_name, "config_sha256": "c" * 64}  # fmt: skip
     monkeypatch.chdir(work)
-    stream = ["--model", "models/m", "--text", "corpus.txt", "--context-size", "12", "--rows-per-block", "16"]
+    stream = ["--model", "models/m", "--text", "corpus.txt", "--context-size", "12", "--rows-per-shard", "16"]
     learn = ["--arch", "transcoder", "--k", "2", "--tokens", "320", "--batch-tokens", "32", "--no-progress"]
     assert main(["train", *stream, "--blocks", "1", *learn, "--out", "run"]) == 0
     folder = work / "run" / "final" / "L1.transcoder.k2.m8"
@@ -476,7 +500,7 @@ def test_the_bundled_text_is_recorded_by_its_package_name(tmp_path, monkeypatch)
         str(data.default_text()),
         "--context-size",
         "12",
-        "--rows-per-block",
+        "--rows-per-shard",
         "16",
     ]
     learn = ["--arch", "transcoder", "--k", "2", "--tokens", "160", "--batch-tokens", "32", "--no-progress"]
@@ -512,7 +536,7 @@ def test_tl_name_reaches_load_model_and_eval_reuses_the_recorded_one(tmp_path, m
             [
                 "train",
                 *stream,
-                "--rows-per-block",
+                "--rows-per-shard",
                 "16",
                 "--blocks",
                 "1",
@@ -551,7 +575,7 @@ def test_probe_steer_and_inspect_run_end_to_end_on_a_data_folder(tmp_path, text_
     data.mkdir()
     with lzma.open(data / "language_id.jsonl.xz", "wt") as f:
         f.writelines(json.dumps(r) + "\n" for r in rows)
-    stream = ["--model", "tiny", "--text", str(text_model), "--context-size", "12", "--rows-per-block", "16"]
+    stream = ["--model", "tiny", "--text", str(text_model), "--context-size", "12", "--rows-per-shard", "16"]
     learn = ["--arch", "mxd", "--k", "2", "--tokens", "320", "--batch-tokens", "32", "--no-progress"]
     assert main(["train", *stream, "--blocks", "1", *learn, "--out", str(tmp_path / "run")]) == 0
     final, out = tmp_path / "run" / "final", tmp_path / "out"

@@ -45,7 +45,7 @@ def test_the_documented_architecture_trains_folds_saves_and_loads(example, tmp_p
     layer_cls = example["LowRankSkipTranscoder"]
     assert mxd_lens.ARCHITECTURES[KEY] is layer_cls
     model = make_model("gated")
-    source = ModelActivations(model, [1], random_rows(), context_size=12, rows_per_block=16)
+    source = ModelActivations(model, [1], random_rows(), context_size=12, rows_per_shard=16)
     specs = [LearnerSpec(KEY, 1, k=4), LearnerSpec("mxd", 1, k=4)]  # beside a built-in, one stream
     config = TrainConfig(total_tokens=2 * 64, batch_tokens=64, lr=3e-3, warmup_steps=1, log_every=1)
     trainer = Trainer(specs, source, config, tmp_path, progress=False)
@@ -57,7 +57,7 @@ def test_the_documented_architecture_trains_folds_saves_and_loads(example, tmp_p
 
     # The saved layer reads raw activations: the normalisation is folded exactly (its _fold_dense).
     s_in, s_out = trainer.scales[1]
-    x, _ = next(source.blocks())[1]
+    x, _ = next(source.shards())[1]
     loaded = SAE.load_from_disk(tmp_path / "final" / name)
     assert type(loaded) is layer_cls and loaded.cfg.skip_rank == 8
     with torch.no_grad():
@@ -82,10 +82,13 @@ def test_a_taken_name_is_refused(example):
         mxd_lens.register_architecture("other", dict)
 
 
-def test_old_names_warn_and_still_work():
-    with pytest.warns(DeprecationWarning, match="renamed TopKTranscoder"):
-        assert mxd_lens.Transcoder is mxd_lens.TopKTranscoder
-    with pytest.warns(DeprecationWarning, match="renamed TopKSkipTranscoderConfig"):
+def test_the_old_class_names_are_gone():
+    """``Transcoder`` & co. (they shadowed SAELens's classes) were renamed ``TopK...`` with no alias."""
+    import mxd_lens.layers
+
+    for name in ("Transcoder", "TranscoderConfig", "SkipTranscoder", "SkipTranscoderConfig"):
+        assert not hasattr(mxd_lens, name) and not hasattr(mxd_lens.layers, name)
+    with pytest.raises(ImportError):
         from mxd_lens.layers import SkipTranscoderConfig  # noqa: F401
     with pytest.raises(AttributeError):
         mxd_lens.NoSuchThing  # noqa: B018
@@ -100,8 +103,8 @@ def test_the_documented_architecture_trains_from_the_shell(tmp_path):
 
     (block,) = re.findall(r"```python\n(.*?)```", DOC.read_text(), flags=re.S)
     (tmp_path / "my_layers.py").write_text(block)
-    source = ModelActivations(make_model("gated"), [1], random_rows(), context_size=12, rows_per_block=16)
-    write_cache(source, tmp_path / "cache", n_blocks=4, progress=False)
+    source = ModelActivations(make_model("gated"), [1], random_rows(), context_size=12, rows_per_shard=16)
+    write_cache(source, tmp_path / "cache", n_shards=4, progress=False)
     argv = ["--import", "my_layers", "train", "--cache", "cache", "--arch", KEY, "--k", "4", "--tokens", "640",
             "--batch-tokens", "64", "--norm-tokens", "64", "--no-progress", "--out", "run"]  # fmt: skip
     done = subprocess.run(

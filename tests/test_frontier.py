@@ -28,7 +28,7 @@ def test_frontier_trains_evaluates_and_writes_everything(tmp_path):
         context_size=12,
         batch_tokens=64,
         lr=3e-3,
-        rows_per_block=16,
+        rows_per_shard=16,
         eval_fraction=0.1,
     )
     rows = run_frontier(model, config, tmp_path / "out", progress=False)
@@ -77,7 +77,7 @@ def test_frontier_grid_seeds_and_other_eval_text(tmp_path):
         eval_tokens=120,
         context_size=12,
         batch_tokens=64,
-        rows_per_block=16,
+        rows_per_shard=16,
         eval_fraction=0.1,
     )
     assert config.learners() == [(1, 2, 0), (1, 2, 1), (0, 2, 0)] and config.all_blocks == [0, 1]
@@ -179,7 +179,7 @@ def test_frontier_variants_rates_and_out_of_domain_text(tmp_path):
         context_size=12,
         batch_tokens=64,
         lr=2e-3,
-        rows_per_block=16,
+        rows_per_shard=16,
         eval_fraction=0.1,
     )
     rows = {r["method"]: r for r in run_frontier(model, config, tmp_path / "out", progress=False)}
@@ -210,8 +210,8 @@ def test_each_learner_runs_at_its_own_rate_on_the_shared_schedule(tmp_path):
 
     model, corpus = make_text_model(tmp_path)
     stream = ModelActivations.from_config(model, [1], StreamConfig(text=str(corpus), context_size=12,
-                                                                   rows_per_block=16))  # fmt: skip
-    write_cache(stream, tmp_path / "cache", n_blocks=2, progress=False)
+                                                                   rows_per_shard=16))  # fmt: skip
+    write_cache(stream, tmp_path / "cache", n_shards=2, progress=False)
     specs = [LearnerSpec("transcoder", 1, 2, 8), LearnerSpec("transcoder", 1, 2, 8, lr=5e-4)]
     config = TrainConfig(total_tokens=64 * 4, batch_tokens=64, lr=2e-3, log_every=1, checkpoint_every=1000)
     trainer = Trainer(specs, CachedActivations(tmp_path / "cache"), config, progress=False)

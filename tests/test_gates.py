@@ -176,7 +176,7 @@ def test_learner_spec_options_reach_the_layer():
     assert spec.arch == "mxd" and spec.options == {"gate": "topk", "d_hidden": 4}
     assert spec.name == "L0.mxd-d_hidden=4-gate=topk.k2.m8" and spec.method == "mxd:d_hidden=4,gate=topk"
     info = StreamInfo(model_name="m", blocks=[0], d_in=8, d_out=8, d_hidden=16, activation="silu", gated=True,
-                      hook_names={"0": ["in", "out"]}, rows_per_block=4, context_size=8,
+                      hook_names={"0": ["in", "out"]}, rows_per_shard=4, context_size=8,
                       drop_first_position=False)  # fmt: skip
     narrow, full = build_layer(spec, info, seed=0), build_layer(LearnerSpec("mxd", 0, 2, 8), info, seed=0)
     assert narrow.cfg.gate == "topk" and narrow.cfg.d_hidden == 4

@@ -19,9 +19,9 @@ from mxd_lens.training import LearnerSpec, TrainConfig, Trainer
 ARCHS = ("mxd", "transcoder", "skip_transcoder")
 
 
-def live(kind="gated", rows_per_block=16, seed=0):
+def live(kind="gated", rows_per_shard=16, seed=0):
     return ModelActivations(
-        make_model(kind), [1], random_rows(seed), context_size=12, rows_per_block=rows_per_block
+        make_model(kind), [1], random_rows(seed), context_size=12, rows_per_shard=rows_per_shard
     )
 
 
@@ -40,12 +40,12 @@ def cfg(**overrides):
 @pytest.mark.parametrize("kind", ["gpt2", "gated"])
 def test_normalisation_is_folded_exactly_into_the_saved_layer(tmp_path, kind):
     model = make_model(kind)
-    source = ModelActivations(model, [1], random_rows(), context_size=12, rows_per_block=16)
+    source = ModelActivations(model, [1], random_rows(), context_size=12, rows_per_shard=16)
     specs = [LearnerSpec(arch, 1, k=4) for arch in ARCHS]
     trainer = Trainer(specs, source, cfg(normalize="input_output"), tmp_path, progress=False)
     trainer.fit()
     s_in, s_out = trainer.scales[1]
-    x, y = next(source.blocks())[1]
+    x, y = next(source.shards())[1]
     assert abs(s_in - 1) > 0.05 and abs(s_out - 1) > 0.05  # the tiny model's scales are not 1
     torch.testing.assert_close(((x * s_in).pow(2).sum(-1).mean()), torch.tensor(16.0), rtol=0.2, atol=0)
     tokens = torch.stack([r for _, r in zip(range(4), random_rows(9)(), strict=False)])
@@ -248,7 +248,7 @@ def test_one_trainer_step_equals_a_hand_written_dense_step(tmp_path):
 
 
 def test_epochs_over_a_cache_resume_mid_epoch_bit_identically(tmp_path, monkeypatch):
-    write_cache(live("gpt2"), tmp_path / "cache", n_blocks=3, progress=False)  # 3 x 176 = 528 tokens
+    write_cache(live("gpt2"), tmp_path / "cache", n_shards=3, progress=False)  # 3 x 176 = 528 tokens
     specs = [LearnerSpec("mxd", 1, k=4), LearnerSpec("transcoder", 1, k=4)]
 
     def run(out):
@@ -344,7 +344,7 @@ def test_bad_recipe_settings_are_refused(tmp_path):
     with pytest.raises(ValueError, match="lr_schedule='step'"):
         TrainConfig(total_tokens=2048, lr_schedule="step")
     with pytest.warns(UserWarning, match="read the cache 11.0 times"):
-        write_cache(live("gpt2"), tmp_path / "c", n_blocks=1, progress=False)
+        write_cache(live("gpt2"), tmp_path / "c", n_shards=1, progress=False)
         Trainer(
             [LearnerSpec("mxd", 1, k=4)],
             CachedActivations(tmp_path / "c"),
@@ -359,9 +359,9 @@ def test_a_layer_built_by_the_caller_trains_in_place_without_an_out_dir(tmp_path
     trained_layers(); with no out_dir nothing is written. A spec with d_sae gets exactly that many units."""
     monkeypatch.chdir(tmp_path)
     model = make_model("gated")
-    source = ModelActivations(model, [1], random_rows(), context_size=12, rows_per_block=16)
+    source = ModelActivations(model, [1], random_rows(), context_size=12, rows_per_shard=16)
     exact = mxd_lens.MxD.from_mlp(model, 1, n_experts=16, k=1)
-    x, y = next(source.blocks())[1]
+    x, y = next(source.shards())[1]
     config = cfg(lr=1e-12, warmup_steps=1, total_tokens=2 * 64, log_every=1)
     trainer = Trainer([exact, LearnerSpec("transcoder", 1, k=4, d_sae=40)], source, config, progress=False)
     metrics = trainer.fit()
@@ -392,11 +392,11 @@ def test_trainer_standardises_the_gate_and_saves_the_same_map(tmp_path):
     trainer.fit()
     learner = trainer.learners[spec.name]
     assert "gate_mean_max" in learner.history[-1]
-    x = next(source.blocks())[1][0] * trainer.scales[1][0]
+    x = next(source.shards())[1][0] * trainer.scales[1][0]
     pre = x @ learner.layer.W_enc.detach() + learner.layer.b_enc.detach()
     # measured: median |std - 1| 0.085 with it, 0.49 without (same seed, same steps)
     assert pre.std(0, unbiased=False).sub(1).abs().median() < 0.2
     saved = mxd_lens.load_layer(tmp_path / "final" / spec.name)
     assert saved.cfg.gate_standardize == 1 and saved.cfg.gate == "topk"
-    raw = next(source.blocks())[1][0]
+    raw = next(source.shards())[1][0]
     torch.testing.assert_close(saved(raw), dense_reference(saved, raw))

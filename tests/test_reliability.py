@@ -20,10 +20,10 @@ def test_resume_on_other_data_is_refused(tmp_path):
     from test_activations import random_rows
 
     def cache(name, seed, text):
-        live = source("gpt2", layers=(1,))
+        live = source("gpt2", blocks=(1,))
         live.rows = random_rows(seed)
         info = {"text": text, "split": "train", "eval_fraction": 0.02, "split_seed": 0}
-        write_cache(live, tmp_path / name, n_blocks=4, progress=False, text_info=info)
+        write_cache(live, tmp_path / name, n_shards=4, progress=False, text_info=info)
         return tmp_path / name
 
     a, b, same_text_other_content = cache("a", 0, "a.txt"), cache("b", 1, "b.txt"), cache("c", 2, "a.txt")
@@ -42,8 +42,8 @@ def test_resume_on_other_data_is_refused(tmp_path):
         trainer(b, 20).fit(resume=True)
     with pytest.raises(ValueError, match="trained on other data.*'content'"):
         trainer(same_text_other_content, 20).fit(resume=True)
-    with pytest.raises(ValueError, match="other data.*'blocks': \\(4, 3\\)"):
-        trainer(a, 20, max_blocks=3).fit(resume=True)
+    with pytest.raises(ValueError, match="other data.*'shards': \\(4, 3\\)"):
+        trainer(a, 20, max_shards=3).fit(resume=True)
     # The same data under another path (a moved cache) is the same data.
     shutil.copytree(a, tmp_path / "moved", ignore=shutil.ignore_patterns(".lock"))
     trainer(tmp_path / "moved", 12).fit(resume=True)

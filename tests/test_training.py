@@ -31,9 +31,9 @@ SPECS = [
 ]
 
 
-def source(kind="gpt2", layers=(1, 2), rows_per_block=16):
+def source(kind="gpt2", blocks=(1, 2), rows_per_shard=16):
     return ModelActivations(
-        make_model(kind), list(layers), random_rows(), context_size=12, rows_per_block=rows_per_block
+        make_model(kind), list(blocks), random_rows(), context_size=12, rows_per_shard=rows_per_shard
     )
 
 
@@ -110,8 +110,8 @@ def test_same_seed_same_weights_other_seed_other_weights(tmp_path):
 
 def test_cache_and_live_model_train_identically(tmp_path):
     live = source("gated")
-    write_cache(live, tmp_path / "cache", n_blocks=5, progress=False)
-    cached = CachedActivations(tmp_path / "cache", shuffle="block")  # the live stream's order
+    write_cache(live, tmp_path / "cache", n_shards=5, progress=False)
+    cached = CachedActivations(tmp_path / "cache", shuffle="shard")  # the live stream's order
     cfg = config(total_tokens=64 * 10, init_b_dec="target_mean", objective="paper")
     Trainer(SPECS, live, cfg, tmp_path / "live", progress=False).fit()
     Trainer(SPECS, cached, cfg, tmp_path / "cached", progress=False).fit()
@@ -158,16 +158,9 @@ def test_resume_matches_the_text_by_content_not_by_how_its_path_was_spelled(tmp_
         )
 
 
-def test_block_index_under_its_old_name_still_works(tmp_path, monkeypatch):
-    """``layer`` meant a block index before the rename: for_model(layer=), LearnerSpec.layer and a
-    checkpoint whose learners record "layer" still work, the first with a DeprecationWarning."""
-    from mxd_lens.layers import MxD
-
-    model = make_model("gpt2")
-    with pytest.warns(DeprecationWarning, match="layer= is now block="):
-        old = MxD.for_model(model, layer=1, d_sae=8, k=2)
-    assert old.cfg.metadata.hook_name_out == MxD.for_model(model, 1, d_sae=8, k=2).cfg.metadata.hook_name_out
-    assert SPECS[0].layer == SPECS[0].block == 1
+def test_a_checkpoint_whose_learners_record_layer_resumes(tmp_path, monkeypatch):
+    """``layer`` was the block index's name before the rename: a checkpoint whose learners record
+    "layer" resumes to the same weights."""
     whole = Trainer(SPECS[:1], source(), config(), tmp_path / "whole", progress=False)
     whole.fit()
     crash_at(Trainer(SPECS[:1], source(), config(), tmp_path / "old", progress=False), 17, monkeypatch)
@@ -178,6 +171,14 @@ def test_block_index_under_its_old_name_still_works(tmp_path, monkeypatch):
     state_file.write_text(json.dumps(state))
     Trainer(SPECS[:1], source(), config(), tmp_path / "old", progress=False).fit(resume=True)
     assert_identical(final_weights(tmp_path / "whole"), final_weights(tmp_path / "old"))
+
+
+def test_the_block_index_has_no_other_name():
+    from mxd_lens.layers import MxD
+
+    with pytest.raises(TypeError):
+        MxD.for_model(make_model("gpt2"), layer=1, d_sae=8, k=2)
+    assert not hasattr(SPECS[0], "layer")
 
 
 def test_nan_loss_stops_and_names_the_last_good_checkpoint(tmp_path, monkeypatch):
@@ -216,17 +217,17 @@ def test_full_disk_leaves_the_previous_checkpoint_latest(tmp_path, monkeypatch):
     assert sorted(p.name for p in checkpoints.iterdir()) == ["latest", "step_000000010"]
 
 
-def test_training_computes_only_the_blocks_it_uses(tmp_path):
-    stream = source()  # blocks of 176 tokens: two batches of 64 each
+def test_training_computes_only_the_shards_it_uses(tmp_path):
+    stream = source()  # shards of 176 tokens: two batches of 64 each
     computed = []
-    real_blocks = stream.blocks
+    real_shards = stream.shards
 
-    def counting_blocks(start=0):
-        for block in real_blocks(start):
+    def counting_shards(start=0):
+        for shard in real_shards(start):
             computed.append(1)
-            yield block
+            yield shard
 
-    stream.blocks = counting_blocks
+    stream.shards = counting_shards
     trainer = Trainer(
         SPECS[:1], stream, config(total_tokens=64 * 4, checkpoint_every=2), tmp_path, progress=False
     )
@@ -236,7 +237,7 @@ def test_training_computes_only_the_blocks_it_uses(tmp_path):
         SPECS[:1], stream, config(total_tokens=64 * 6, checkpoint_every=2), tmp_path, progress=False
     )
     computed.clear()
-    resumed.fit(resume=True)  # continues 256 tokens in: block 1 (tokens 176-351) again, then block 2
+    resumed.fit(resume=True)  # continues 256 tokens in: shard 1 (tokens 176-351) again, then shard 2
     assert resumed.step == 6 and len(computed) == 2
 
 
@@ -363,7 +364,7 @@ def _cli(*args: str) -> list[str]:
 
 @pytest.fixture
 def cache(tmp_path):
-    return write_cache(source(rows_per_block=64), tmp_path / "cache", n_blocks=30, progress=False)
+    return write_cache(source(rows_per_shard=64), tmp_path / "cache", n_shards=30, progress=False)
 
 
 TRAIN_ARGS = [
@@ -462,32 +463,48 @@ def test_a_warm_start_into_a_layer_without_a_dense_path_is_refused():
         LearnerSpec("transcoder", 1, k=4, init="mlp")
 
 
-def test_a_cache_written_before_the_rename_trains_as_its_renamed_copy(tmp_path):
-    """Old shard names (block_*.safetensors, and in shards.jsonl) train to the same weights as the
-    same cache under today's names."""
-    from test_activations import _as_written_before_shards_were_named_shards
+@pytest.mark.parametrize("shuffle", ["global", "shard"])
+def test_a_cache_written_before_the_rename_trains_as_its_renamed_copy(tmp_path, shuffle):
+    """A cache under its old names (block_*.safetensors, in shards.jsonl too, and the manifest's old
+    keys ``layers`` and ``rows_per_block``) trains to the same weights as the same cache under today's
+    names; a checkpoint with the old names of its data record resumes on it."""
+    from test_activations import OLD_STREAM_KEYS, _as_written_before_shards_were_named_shards
 
-    write_cache(source(), tmp_path / "new", n_blocks=4, progress=False)
-    write_cache(source(), tmp_path / "old", n_blocks=4, progress=False)
+    write_cache(source(), tmp_path / "new", n_shards=4, progress=False)
+    write_cache(source(), tmp_path / "old", n_shards=4, progress=False)
     _as_written_before_shards_were_named_shards(tmp_path / "old")
+    old = CachedActivations(tmp_path / "old", shuffle=shuffle)
+    assert old.info == CachedActivations(tmp_path / "new").info and old.n_shards == 4
     cfg = config(total_tokens=64 * 10, norm_tokens=64 * 2, checkpoint_every=5)
     for name in ("new", "old"):
         Trainer(
-            SPECS[:2], CachedActivations(tmp_path / name), cfg, tmp_path / f"run_{name}", progress=False
+            SPECS[:2],
+            CachedActivations(tmp_path / name, shuffle=shuffle),
+            cfg,
+            tmp_path / f"run_{name}",
+            progress=False,
         ).fit()
     assert_identical(final_weights(tmp_path / "run_new"), final_weights(tmp_path / "run_old"))
-    # A checkpoint written before StreamInfo.layers became blocks resumes (and on the old cache, whose
-    # content identity reads the old records): its last five steps are redone to the same weights.
+    # A checkpoint written before the renames resumes (and on the old cache, whose content identity
+    # reads the old records): its stream record says layers and rows_per_block, its cache's shard
+    # count is "blocks" and shard-by-shard reading was shuffle="block". Its last five steps are
+    # redone to the same weights.
     checkpoints = tmp_path / "run_old" / "checkpoints"
     shutil.rmtree(checkpoints / "step_000000010")
     (checkpoints / "latest").write_text("step_000000005")
     state_path = checkpoints / "step_000000005" / "trainer_state.json"
     state = json.loads(state_path.read_text())
-    stream = state["data"]["stream"]
-    state["data"]["stream"] = {("layers" if k == "blocks" else k): v for k, v in stream.items()}
+    data = state["data"]
+    data["stream"] = {OLD_STREAM_KEYS.get(k, k): v for k, v in data["stream"].items()}
+    data["blocks"] = data.pop("shards")
+    data["shuffle"] = {"global": "global", "shard": "block"}[data["shuffle"]]
     state_path.write_text(json.dumps(state))
     trainer = Trainer(
-        SPECS[:2], CachedActivations(tmp_path / "old"), cfg, tmp_path / "run_old", progress=False
+        SPECS[:2],
+        CachedActivations(tmp_path / "old", shuffle=shuffle),
+        cfg,
+        tmp_path / "run_old",
+        progress=False,
     )
     trainer.fit(resume=True)
     assert trainer.step == 10

@@ -1,7 +1,5 @@
 """Our layers: each a SAELens ``SAE`` subclass with its config, in the one architecture table."""
 
-from typing import Any
-
 from mxd_lens import LAYER_NAMES
 
 # Re-exported (``__all__`` is ``mxd_lens.LAYER_NAMES``, so the top-level lazy namespace and this one agree):
@@ -21,7 +19,6 @@ from mxd_lens.layers.transcoder import (  # noqa: F401
     TopKSkipTranscoderConfig,
     TopKTranscoder,
     TopKTranscoderConfig,
-    deprecated_name,
 )
 
 BUILT_IN = {"mxd": MxD, "transcoder": TopKTranscoder, "skip_transcoder": TopKSkipTranscoder}
@@ -35,10 +32,6 @@ def register() -> None:
     for key, layer_cls in BUILT_IN.items():
         register_architecture(key, layer_cls)
     name_damaged_files_in_sae_lens_loaders()
-
-
-def __getattr__(name: str) -> Any:
-    return deprecated_name(__name__, name)
 
 
 register()  # importing the layers registers them: `import mxd_lens` arranges it when SAELens loads

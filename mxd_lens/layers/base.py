@@ -112,12 +112,11 @@ class MLPReplacement(SAE[C]):
         self.pre_moments: tuple[torch.Tensor, torch.Tensor, int] | None = None
 
     @classmethod
-    def for_model(cls, model: Any, block: int | None = None, **cfg_fields: Any):
+    def for_model(cls, model: Any, block: int, **cfg_fields: Any):
         """A fresh layer sized for block ``block``'s MLP of a HookedTransformer, with its hook
         metadata set; ``cfg_fields`` are the remaining config fields (``d_sae``, ``k``, ...)."""
         from mxd_lens import hooks
 
-        block = _block_argument(block, cfg_fields)
         hooks.check_block(model, block)
         fields = {
             "d_in": model.cfg.d_model,
@@ -482,17 +481,3 @@ def unit_rows_(t: torch.Tensor) -> torch.Tensor:
     if t.device.type != "meta":
         t.div_(t.norm(dim=-1, keepdim=True).clamp_min(1e-12))
     return t
-
-
-def _block_argument(block: int | None, kwargs: dict[str, Any]) -> int:
-    """``block``, or the deprecated keyword ``layer=`` (the block index's old name)."""
-    if "layer" in kwargs:
-        import warnings
-
-        if block is not None:
-            raise TypeError("give the block index once: block=N (layer= is its old name)")
-        warnings.warn("layer= is now block= (a block index)", DeprecationWarning, stacklevel=3)
-        block = kwargs.pop("layer")
-    if block is None:
-        raise TypeError("missing the block index: for_model(model, block, ...)")
-    return block

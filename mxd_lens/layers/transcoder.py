@@ -10,9 +10,7 @@ Unlike SAELens's inference-only ``skip_transcoder``, ``decode(encode(x))`` inclu
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
@@ -81,29 +79,3 @@ class TopKSkipTranscoder(MLPReplacement[TopKSkipTranscoderConfig]):
 
     def _output(self, mixture: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         return mixture + self.b_dec + x @ self.W_skip
-
-
-_RENAMED = {
-    "Transcoder": "TopKTranscoder",
-    "TranscoderConfig": "TopKTranscoderConfig",
-    "SkipTranscoder": "TopKSkipTranscoder",
-    "SkipTranscoderConfig": "TopKSkipTranscoderConfig",
-}
-
-
-def deprecated_name(module: str, name: str) -> Any:
-    """The class an old name stands for, with a DeprecationWarning (the old names shadowed SAELens's
-    ``Transcoder`` & co.; they go in the next release)."""
-    if name not in _RENAMED:
-        raise AttributeError(f"module {module!r} has no attribute {name!r}")
-    warnings.warn(
-        f"mxd_lens {name} is renamed {_RENAMED[name]} (the old name shadowed sae_lens.{name}); "
-        "the old name goes in the next release",
-        DeprecationWarning,
-        stacklevel=3,
-    )
-    return globals()[_RENAMED[name]]
-
-
-def __getattr__(name: str) -> Any:
-    return deprecated_name(__name__, name)

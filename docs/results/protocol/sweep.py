@@ -41,7 +41,7 @@ def main(out: str = "results/protocol-sweep", cache: str = "results/cache-mix7")
     out_dir = Path(out)
     specs = [LearnerSpec(arch, BLOCK, K, lr=lr) for arch in SWEPT for lr in LRS]
     specs += [LearnerSpec(arch, BLOCK, K, lr=1e-3) for arch in EXTRA]
-    source = CachedActivations(cache, layers=[BLOCK], max_blocks=SHARDS)
+    source = CachedActivations(cache, blocks=[BLOCK], max_shards=SHARDS)
     manifest = json.loads((Path(cache) / "manifest.json").read_text())
     config = TrainConfig(
         total_tokens=STEPS * 512, batch_tokens=512, lr=1e-3, log_every=8, checkpoint_every=64

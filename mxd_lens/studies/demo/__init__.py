@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from mxd_lens.config import WIDTH_MULTIPLIER, StreamConfig
 
@@ -21,8 +21,8 @@ class DemoOptions:
     """text source (default: the bundled English text)"""
     ood_text: str | None = None
     """out-of-domain text, every document held out (default: the bundled Debian fortunes; 'none': skip)"""
-    block: int = field(default=15, metadata={"alias": ["--layer"]})
-    """transformer block whose MLP to replace (--layer: its old name)"""
+    block: int = 15
+    """transformer block whose MLP to replace"""
     k: int = 32
     """active experts / latents per token"""
     width_multiplier: int = WIDTH_MULTIPLIER

@@ -37,7 +37,7 @@ def run(model: Any, options: DemoOptions, out: Path | None) -> StudyResult:
         eval_tokens=options.eval_tokens or (1_024 if quick else 12_800),
         context_size=options.context_size,
         batch_tokens=options.batch_tokens or (256 if quick else 512),
-        rows_per_block=33 if quick else 256,
+        rows_per_shard=33 if quick else 256,
         cache_dtype="float16",  # half the disk of float32; activations need no more precision
     )
     rows = run_frontier(model, config, out)

@@ -14,8 +14,8 @@ class FrontierConfig:
     held-out tokens from its 'eval' side (never the same documents) or from ``eval_text``."""
 
     text: str | None = None  # training text: a file, folder or dataset (default: the bundled English text)
-    blocks: list[int] = field(default_factory=list, metadata={"alias": ["--layers"]})
-    """transformer blocks whose MLP to replace, each at every K in ks (--layers: its old name)"""
+    blocks: list[int] = field(default_factory=list)
+    """transformer blocks whose MLP to replace, each at every K in ks"""
     ks: list[int] = field(default_factory=lambda: [16, 32, 64])  # active units per token
     grid: list[str] = field(default_factory=list)  # more points: "BLOCK:K,K[@SEED,SEED]", e.g. 25:32 15:32@1
     eval_text: str | None = None  # held-out text (default: the 'eval' side of text's split)
@@ -42,7 +42,7 @@ class FrontierConfig:
         default=TrainConfig.grad_clip, metadata={"custom_args": {"type": optional_float}}
     )
     """gradient norm limit per learner (none: off)"""
-    rows_per_block: int = StreamConfig.rows_per_block  # token rows per cache shard
+    rows_per_shard: int = StreamConfig.rows_per_shard  # token rows per cache shard
     eval_rows_per_forward: int = 8  # token rows per evaluation forward
     eval_fraction: float = StreamConfig.eval_fraction  # documents of text held out as its 'eval' side
     split_seed: int = StreamConfig.split_seed  # seed of that document split

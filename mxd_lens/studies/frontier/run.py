@@ -60,7 +60,7 @@ def eval_batches(model: Any, config: FrontierConfig) -> list[torch.Tensor]:
 def write_frontier_cache(
     model: Any, config: FrontierConfig, out: str | Path, progress: bool = True
 ) -> tuple[Path, dict[str, Any], int]:
-    """Write (or check, repair, extend) the study's activation cache; (folder, text info, blocks)."""
+    """Write (or check, repair, extend) the study's activation cache; (folder, text info, shards)."""
     out = Path(out)
     cache = Path(config.cache) if config.cache else out / "cache"
     blocks = config.all_blocks
@@ -71,19 +71,19 @@ def write_frontier_cache(
         )
     stream_config = StreamConfig(
         text=config.text,
-        **{k: getattr(config, k) for k in ("context_size", "rows_per_block", "eval_fraction", "split_seed")},
+        **{k: getattr(config, k) for k in ("context_size", "rows_per_shard", "eval_fraction", "split_seed")},
     )
     stream = ModelActivations.from_config(model, blocks, stream_config)
-    n_blocks = math.ceil(config.train_tokens / stream.info.tokens_per_block)
+    n_shards = math.ceil(config.train_tokens / stream.info.tokens_per_shard)
     write_cache(
         stream,
         cache,
-        n_blocks=n_blocks,
+        n_shards=n_shards,
         dtype=config.cache_dtype,
         progress=progress,
         text_info=stream.text_info,
     )
-    return cache, stream.text_info, n_blocks
+    return cache, stream.text_info, n_shards
 
 
 def run_frontier(
@@ -92,7 +92,7 @@ def run_frontier(
     """Cache, train every (arch, K) at every layer from the one stream, evaluate, write results."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    cache, text_info, n_blocks = write_frontier_cache(model, config, out, progress)
+    cache, text_info, n_shards = write_frontier_cache(model, config, out, progress)
     if config.eval_text is not None:
         eval_info = {
             "text": config.eval_text,
@@ -135,7 +135,7 @@ def run_frontier(
             write_results(rows_out, config, out)
             continue
         source = CachedActivations(
-            cache, layers=[block], expect={"model_name": model.cfg.model_name}, max_blocks=n_blocks
+            cache, blocks=[block], expect={"model_name": model.cfg.model_name}, max_shards=n_shards
         )
         train_config = config.train_config(seed)
         trainer = Trainer(specs, source, train_config, folder, progress=progress, data_info=text_info)

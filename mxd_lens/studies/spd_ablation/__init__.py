@@ -22,8 +22,8 @@ class SPDAblationOptions:
 
     data: str | None = None
     """a folder with corpus/*.txt.xz and probing/*.jsonl.xz named as CORPUS and CONCEPTS name them (required)"""
-    block: int = field(default=27, metadata={"alias": ["--layer"]})
-    """transformer block whose weight is decomposed (--layer: its old name)"""
+    block: int = 27
+    """transformer block whose weight is decomposed"""
     weight: str = "mlp.W_out"
     """weight of that block"""
     context_size: int = 64
