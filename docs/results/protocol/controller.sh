@@ -7,7 +7,7 @@ cd "$(dirname "$0")/../../.."
 export HF_HUB_OFFLINE=1 OMP_NUM_THREADS=${THREADS:-2}
 JE=/usr/lib/x86_64-linux-gnu/libjemalloc.so.2; [ -f $JE ] && export LD_PRELOAD=$JE
 DATA=${DATA:-../shared/data}
-exec .venv/bin/python analyses/frontier.py --progress false --text results/data/mix7.txt.xz \
+exec .venv/bin/mxd-lens frontier --progress false --text results/data/mix7.txt.xz \
     --eval-fraction 0.05 --eval-tokens 32768 --ood-text $DATA/probing/topic_bbc_news.jsonl.xz \
     --ood-eval-tokens 32768 --train-tokens 524288 --epochs 2 --cache-dtype float16 \
     --cache results/cache-mix7 --blocks 15 --ks 32 \

@@ -7,7 +7,7 @@
 cd "$(dirname "$0")/../../.."
 D=${DATA:-../shared/data}/corpus
 mkdir -p results/data
-HF_HUB_OFFLINE=1 exec .venv/bin/python analyses/mix_texts.py $D/jane_austen_novels.txt.xz $D/bible_web.txt.xz \
+HF_HUB_OFFLINE=1 exec .venv/bin/mxd-lens mix $D/jane_austen_novels.txt.xz $D/bible_web.txt.xz \
     $D/matthew_henry_concise_commentary.txt.xz $D/spurgeon_treasury_of_david.txt.xz \
     $D/debian_package_descriptions.txt.xz $D/fortunes_en.txt.xz $D/gcide_webster1913_dictionary.txt.xz \
     --tokenizer default --per-source 160000 --out results/data/mix7.txt.xz

@@ -38,7 +38,7 @@ case $PART in
      ARCHS=("$STD_MXD"); ARCH_LR="$STD_MXD=0.002" ;;
   *) echo "unknown part $PART: give A, A0, A3, B, C or D" >&2; exit 2 ;;
 esac
-exec .venv/bin/python analyses/frontier.py --progress false --text results/data/mix7.txt.xz \
+exec .venv/bin/mxd-lens frontier --progress false --text results/data/mix7.txt.xz \
     --eval-fraction 0.05 --eval-tokens 32768 --ood-text $DATA/probing/topic_bbc_news.jsonl.xz \
     --ood-eval-tokens 32768 --train-tokens 524288 --epochs 2 --cache-dtype float16 \
     --cache results/cache-mix7 "${POINTS[@]}" --archs "${ARCHS[@]}" \
