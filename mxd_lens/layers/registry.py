@@ -79,25 +79,14 @@ def load_plugins() -> list[str]:
     if _PLUGINS_LOADED:
         return []
     _PLUGINS_LOADED = True
-    from importlib.metadata import entry_points
-
     from mxd_lens.layers.base import MLPReplacement
+    from mxd_lens.plugins import entry_point_objects
 
     loaded = []
-    for point in entry_points(group=PLUGIN_GROUP):
-        try:
-            target = point.load()
-        except Exception as err:
-            raise RuntimeError(
-                f"the {PLUGIN_GROUP} plug-in {point.name!r} ({point.value}) failed to load: {err}"
-            ) from err
-        if (
-            isinstance(target, type)
-            and issubclass(target, MLPReplacement)
-            and point.name not in ARCHITECTURES
-        ):
-            register_architecture(point.name, target)
-        loaded.append(point.name)
+    for name, _, target in entry_point_objects(PLUGIN_GROUP):
+        if isinstance(target, type) and issubclass(target, MLPReplacement) and name not in ARCHITECTURES:
+            register_architecture(name, target)
+        loaded.append(name)
     return loaded
 
 

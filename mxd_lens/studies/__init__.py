@@ -162,19 +162,13 @@ def load_plugins() -> list[str]:
     if _PLUGINS_LOADED:
         return []
     _PLUGINS_LOADED = True
-    from importlib.metadata import entry_points
+    from mxd_lens.plugins import entry_point_objects
 
     loaded = []
-    for point in entry_points(group=PLUGIN_GROUP):
-        try:
-            study = point.load()
-        except Exception as err:
-            raise RuntimeError(
-                f"the {PLUGIN_GROUP} plug-in {point.name!r} ({point.value}) failed to load: {err}"
-            ) from err
+    for name, value, study in entry_point_objects(PLUGIN_GROUP):
         if not isinstance(study, Study):
             raise RuntimeError(
-                f"the {PLUGIN_GROUP} plug-in {point.name!r} ({point.value}) is not a mxd_lens.studies.Study"
+                f"the {PLUGIN_GROUP} plug-in {name!r} ({value}) is not a mxd_lens.studies.Study"
             )
         register_study(study)
         loaded.append(study.name)
