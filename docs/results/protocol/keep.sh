@@ -3,11 +3,11 @@
 # copy results/protocol-PART/{frontier.json,frontier.csv,frontier.png} and each finished group's eval.json
 # and training history into docs/results/protocol/PART/ and commit that folder alone when it changed.
 cd "$(dirname "$0")/../../.."
-PART=${1:?give A, A0, A3, B or C}
+PART=${1:?give A, A0, A3, B, C or D}
 SRC=results/protocol-$PART DEST=docs/results/protocol/$PART
 ONCE=${2:-}  # --once: copy and commit now, then stop (chain.sh's last copy after a part ends)
 while [ -n "$ONCE" ] || sleep 120; do
-  [ -f $SRC/frontier.json ] || continue
+  [ -f $SRC/frontier.json ] || { [ -n "$ONCE" ] && break; continue; }  # nothing yet (--once: stop)
   mkdir -p $DEST
   cp $SRC/frontier.json $SRC/frontier.csv $SRC/frontier.png $DEST/ 2>/dev/null
   for group in $SRC/runs/*/; do
