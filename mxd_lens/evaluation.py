@@ -31,6 +31,12 @@ gives signed codes):
   input→output Jacobian and the MLP's (``mxd_lens.jacobian``: exact, or from ``jacobian_directions``
   random directions per token).
   (When the model prepends BOS, position 0 is left out of all of these, as in training.)
+
+Layers from elsewhere (SAELens transcoders, ``mxd_lens.foreign``) are measured the same way: their codes
+are ``encode(x)``, their output SAELens's forward. One that reads ``blocks.L.hook_mlp_in`` (the residual
+before ln2) is given that residual, and its Jacobian is compared with ln2 then the MLP, the map from the
+same residual to the MLP's output. ``k`` is None for a layer without one; ``top1_fvu`` is NaN for a class
+whose output cannot be rebuilt from chosen codes (its forward is not SAELens's transcoder forward).
 """
 
 from __future__ import annotations
@@ -38,7 +44,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -50,10 +56,13 @@ from mxd_lens.jacobian import jacobian_cosine
 from mxd_lens.layers.base import MLPReplacement
 from mxd_lens.records import TextRecord, TrainingRecord
 
+if TYPE_CHECKING:
+    from sae_lens import SAE
+
 
 def evaluate(
     model: Any,
-    layers: Mapping[str, MLPReplacement] | Sequence[MLPReplacement],
+    layers: Mapping[str, MLPReplacement | SAE] | Sequence[MLPReplacement | SAE],
     batches: Iterable[torch.Tensor],
     *,
     together: bool = False,
@@ -75,16 +84,26 @@ def evaluate(
     L0 and dead units alike) and a forward from its own block on; per block, the zero-ablated forward
     from that block; after the pass, the mean-ablated forward from the kept residuals (the mean is
     known only then).
+
+    A layer may also be any SAELens ``SAE`` that replaces an MLP (a transcoder loaded with
+    ``SAE.from_pretrained`` / ``SAE.load_from_disk``; ``mxd_lens.foreign``): see the module docstring.
     """
-    named = dict(layers) if isinstance(layers, Mapping) else {_default_name(layer): layer for layer in layers}
+    if isinstance(layers, Mapping):
+        named = dict(layers)
+        reps = {name: hooks.replacement(layer) for name, layer in named.items()}
+    else:
+        reps = {(rep := hooks.replacement(layer)).default_name: rep for layer in layers}
+        named = {name: rep.layer for name, rep in reps.items()}
     if not named:
         raise ValueError("evaluate needs at least one layer")
-    index = {name: hooks.block_of(layer) for name, layer in named.items()}
-    for name, layer in named.items():
-        hooks.check_fits(model, layer, index[name])
+    index = {name: rep.block for name, rep in reps.items()}
+    for name, rep in reps.items():
+        hooks.check_block(model, index[name])
+        rep.check_fits(model, index[name])
     if together and len(set(index.values())) != len(index):
         raise ValueError("together=True splices all layers at once, so each must replace a different block")
     blocks = sorted(set(index.values()))
+    resid_blocks = sorted({rep.block for rep in reps.values() if rep.reads == "resid"})
     skip = int(model.cfg.default_prepend_bos if skip_first_position is None else skip_first_position)
     resid_names = [f"blocks.{b}.hook_resid_pre" for b in blocks]
 
@@ -100,7 +119,7 @@ def evaluate(
     n_pred = n_tokens = 0
     for tokens in tqdm(batches, desc="evaluating", unit="batch", disable=not progress):
         with torch.inference_mode():
-            with hooks.capture_mlp_io(model, blocks) as io:
+            with hooks.capture_mlp_io(model, blocks, resid=resid_blocks) as io:
                 logits, cache = model.run_with_cache(tokens, names_filter=resid_names)
             resid = {b: cache[f"blocks.{b}.hook_resid_pre"] for b in blocks}
             clean_logp = F.log_softmax(logits[:, :-1].float(), dim=-1)
@@ -119,9 +138,9 @@ def evaluate(
 
             clean = (clean_logp, clean_p)
             for name, layer in named.items():
-                block = index[name]
-                x, y = io[block]["in"], io[block]["out"]
-                out, values, idx = layer.forward_sparse(x)
+                block, rep = index[name], reps[name]
+                x, y = io[block]["resid" if rep.reads == "resid" else "in"], io[block]["out"]
+                out, values, idx = rep.forward_sparse(x)
                 out = out.to(y.dtype)
                 ce_sum, kl_sum = _score(
                     sums, f"splice:{name}", _run_from(model, resid, block, {block: out}), target, clean
@@ -136,14 +155,15 @@ def evaluate(
                 _add(sums, f"tokens:{name}", float(values.shape[0] * values.shape[1]))
                 _add(sums, f"effective:{name}", float(_effective_units(values).sum()))
                 top = values.abs().argmax(-1, keepdim=True)
-                top1 = layer.output_from_codes(x_kept, values.gather(-1, top), idx.gather(-1, top))
-                _add(sums, f"sse_top1:{name}", float((top1.to(y.dtype) - y_kept).double().pow(2).sum()))
+                top1 = rep.output_from_codes(x_kept, values.gather(-1, top), idx.gather(-1, top))
+                if top1 is not None:  # None: a layer from elsewhere whose output is not decode + skip
+                    _add(sums, f"sse_top1:{name}", float((top1.to(y.dtype) - y_kept).double().pow(2).sum()))
                 usage[name] += torch.bincount(idx[active].reshape(-1).cpu(), minlength=layer.cfg.d_sae)
                 firing[name].update(values.cpu(), idx.cpu())
                 done = sum(t.numel() for t in jacobian[name])
                 if done < jacobian_tokens:
                     xs = x_kept.reshape(-1, x.shape[-1])[: jacobian_tokens - done]
-                    jacobian[name].append(_jacobian(model, layer, block, xs, jacobian_directions, generator))
+                    jacobian[name].append(_jacobian(model, rep, block, xs, jacobian_directions, generator))
             if baselines:
                 for block in blocks:
                     zero = torch.zeros_like(io[block]["out"])
@@ -177,7 +197,9 @@ def evaluate(
     for name, layer in named.items():
         block = index[name]
         sst = y_sq[block] - n_tokens * float(y_sum[block].pow(2).sum()) / n_tokens**2  # Σ||y - ȳ||²
-        row = _row(name, layer, block, sums, n_pred, ce_clean, f"splice:{name}", [block], baselines)
+        row = _row(
+            name, layer, block, sums, n_pred, ce_clean, f"splice:{name}", [block], baselines, k=reps[name].k
+        )
         n = sums[f"tokens:{name}"]
         train_metrics = TrainingRecord.of(layer).metrics or {}
         row.update(
@@ -186,7 +208,7 @@ def evaluate(
             l0_positive=sums[f"l0_positive:{name}"] / n,
             always_on=int((usage[name] > 0.5 * n).sum()),
             effective_units=sums[f"effective:{name}"] / n,
-            top1_fvu=sums[f"sse_top1:{name}"] / max(sst, 1e-12),
+            top1_fvu=sums.get(f"sse_top1:{name}", float("nan")) / max(sst, 1e-12),
             dead_fraction=firing[name].dead_fraction(),  # silent on these tokens (mxd_lens.firing)
             train_dead_fraction=train_metrics.get("dead_fraction"),
             jacobian_cos=float(torch.cat(jacobian[name]).mean()) if jacobian[name] else None,
@@ -212,13 +234,15 @@ def evaluate(
     return rows
 
 
-def _row(name, layer, block, sums, n_pred, ce_clean, label, blocks, baselines, names=None) -> dict[str, Any]:
+def _row(
+    name, layer, block, sums, n_pred, ce_clean, label, blocks, baselines, names=None, k=None
+) -> dict[str, Any]:
     ce = sums[f"ce:{label}"] / n_pred
     row: dict[str, Any] = {
         "name": name,
         "architecture": layer.cfg.architecture() if layer is not None else "+".join(names or []),
         "block": block if block is not None else ",".join(map(str, blocks)),
-        "k": layer.cfg.k if layer is not None else None,
+        "k": k,
         "d_sae": layer.cfg.d_sae if layer is not None else None,
         "params": sum(p.numel() for p in layer.parameters()) if layer is not None else None,
         "ce_clean": ce_clean,
@@ -273,17 +297,17 @@ def _effective_units(values: torch.Tensor) -> torch.Tensor:
     return torch.where(total[..., 0] > 0, entropy.exp(), torch.zeros_like(entropy))
 
 
-def _jacobian(
-    model, layer: MLPReplacement, block: int, x: torch.Tensor, directions, generator
-) -> torch.Tensor:
-    """The per-token Jacobian cosine of ``layer`` against block ``block``'s MLP on inputs ``x`` [T, d_in]."""
-    mlp = hooks.mlp_module(model, block)
+def _jacobian(model, rep, block: int, x: torch.Tensor, directions, generator) -> torch.Tensor:
+    """The per-token Jacobian cosine of a layer (``rep``: ``hooks.replacement(layer)``) against block
+    ``block``'s MLP on inputs ``x`` [T, d_in] (what the layer reads: for a layer reading the residual
+    before ln2, against ln2 then the MLP)."""
+    layer, host = rep.layer, hooks.host_map(model, block, rep.reads)
     d_out = layer.cfg.d_out
     with torch.inference_mode(False):
         x = x.clone()  # out of inference mode, so autograd can record
         return jacobian_cosine(
-            lambda v: layer(v.to(layer.dtype)),
-            lambda v: mlp(v[None])[0],
+            lambda v: rep.layer_output(v.to(layer.dtype)),
+            host,
             x,
             None if directions is None or directions >= d_out else directions,
             generator,
@@ -308,10 +332,6 @@ def _ce_sum(logp: torch.Tensor, target: torch.Tensor) -> float:
 
 def _add(sums: dict[str, float], key: str, value: float) -> None:
     sums[key] = sums.get(key, 0.0) + value
-
-
-def _default_name(layer: MLPReplacement) -> str:
-    return f"L{hooks.block_of(layer)}.{layer.cfg.architecture().removeprefix('mxd_lens.')}.k{layer.cfg.k}"
 
 
 def check_disjoint(

@@ -7,6 +7,11 @@ is folded; ``hook_mlp_in`` is before ln2), so we read the MLP module's own input
 pre-hook: exact with LN folded or not, for sequential and parallel (Pythia, GPT-J) blocks alike.
 
 Where a layer writes: ``blocks.L.hook_mlp_out``.
+
+Layers from elsewhere (any SAELens ``SAE`` whose cfg says it reads an MLP's input and writes
+``blocks.L.hook_mlp_out``: SAELens's transcoders, loaded with ``SAE.from_pretrained`` /
+``SAE.load_from_disk``) splice and evaluate too: :func:`replacement` is the one place that tells them
+from ours, and ``mxd_lens.foreign`` says where they read (their ``metadata.hook_name``).
 """
 
 from __future__ import annotations
@@ -15,17 +20,20 @@ import re
 import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch import nn
 from transformer_lens.hook_points import HookPoint
 
 if TYPE_CHECKING:
+    from sae_lens import SAE
     from sae_lens.saes.sae import SAEMetadata
     from transformer_lens import HookedTransformer
 
     from mxd_lens.layers.base import MLPReplacement
+
+Reads = Literal["mlp", "resid"]
 
 _OUT_HOOK = re.compile(r"^blocks\.(\d+)\.hook_mlp_out$")
 # model -> {block: layer} for the splices active on it (what steering checks)
@@ -93,54 +101,139 @@ def layer_metadata(model: HookedTransformer, block: int) -> SAEMetadata:
     )
 
 
-def block_of(layer: MLPReplacement[Any]) -> int:
-    """Which block a layer replaces, read from ``cfg.metadata.hook_name_out``."""
-    hook = layer.cfg.metadata.hook_name_out
-    match = _OUT_HOOK.match(hook or "")
-    if match is None:
-        raise ValueError(
-            f"{type(layer).__name__} has metadata.hook_name_out={hook!r}, not 'blocks.L.hook_mlp_out': "
-            "build it with .for_model(model, block, ...) / MxD.from_mlp, or set "
-            "layer.cfg.metadata = mxd_lens.hooks.layer_metadata(model, block)"
-        )
-    return int(match.group(1))
+def block_of(layer: MLPReplacement[Any] | SAE[Any]) -> int:
+    """Which block a layer replaces, read from ``cfg.metadata.hook_name_out`` (and, for a layer from
+    elsewhere, checked against ``hook_name``: :class:`mxd_lens.foreign.ForeignLayer`)."""
+    return replacement(layer).block
 
 
-def check_fits(model: HookedTransformer, layer: MLPReplacement[Any], block: int) -> None:
+def check_fits(model: HookedTransformer, layer: MLPReplacement[Any] | SAE[Any], block: int) -> None:
     """Raise unless ``layer`` was made for block ``block`` of a model like ``model``: same widths, and
-    the same ``model_name`` when the layer records one."""
+    the same ``model_name`` when the layer records one (a layer from elsewhere: also a read site this
+    model has, see :class:`mxd_lens.foreign.ForeignLayer`)."""
     check_block(model, block)
-    trained_on = layer.cfg.metadata.model_name
-    if trained_on and trained_on != model.cfg.model_name:
-        # One model loaded from another source (a .gguf and its Hugging Face folder) has another name
-        # but the same architecture: the recorded shape decides, when the layer has one.
-        from mxd_lens.records import TrainingRecord, model_shape
+    replacement(layer).check_fits(model, block)
 
-        recorded = TrainingRecord.of(layer).model_source.get("shape")
-        if recorded is None or recorded != model_shape(model):
-            why = (
-                "and records no model shape to compare"
-                if recorded is None
-                else f"and its recorded shape {recorded} differs from this model's {model_shape(model)}"
-            )
+
+def replacement(layer: Any) -> Any:
+    """How ``splice`` and ``evaluate`` use ``layer``: an :class:`OurLayer` for a layer with mxd-lens's
+    sparse interface (``forward_sparse``, ``output_from_codes``: every ``MLPReplacement``), used as it
+    is; any other SAELens ``SAE`` through :class:`mxd_lens.foreign.ForeignLayer`, which reads its cfg
+    (a clear ValueError when it does not replace an MLP).
+
+    Both give: ``layer``, ``block``, ``reads`` ("mlp": the exact input of the MLP module; "resid":
+    ``hook_mlp_in``'s value, the residual before ln2), ``k`` (None when the layer has none),
+    ``default_name``, ``check_fits(model, block)``, ``layer_output(x)`` (what the splice writes, code
+    hooks run), ``unhooked(x)`` (the output without code hooks, None when ``layer_output``'s already
+    is), ``forward_sparse(x)`` -> (output, code values, code indices) and ``output_from_codes(x, values,
+    indices)`` (None when the layer's output cannot be rebuilt from chosen codes)."""
+    # ducks, not isinstance: mxd_lens.layers imports this module, so it cannot import them
+    if all(callable(getattr(layer, name, None)) for name in ("forward_sparse", "output_from_codes")):
+        return OurLayer(layer)
+    from mxd_lens.foreign import ForeignLayer
+
+    return ForeignLayer(layer)
+
+
+class OurLayer:
+    """An mxd-lens layer (``MLPReplacement``) as ``splice`` and ``evaluate`` use it: its own methods.
+    It reads the exact input of the MLP module (its ``hook_name`` is ``blocks.L.mlp.hook_in``)."""
+
+    reads: Reads = "mlp"
+
+    def __init__(self, layer: MLPReplacement[Any]):
+        self.layer = layer
+        hook = layer.cfg.metadata.hook_name_out
+        match = _OUT_HOOK.match(hook or "")
+        if match is None:
             raise ValueError(
-                f"{type(layer).__name__} was trained on {trained_on!r}, but this model is {model.cfg.model_name!r} "
-                f"{why}; set layer.cfg.metadata.model_name if they are the same model under another name"
+                f"{type(layer).__name__} has metadata.hook_name_out={hook!r}, not 'blocks.L.hook_mlp_out': "
+                "build it with .for_model(model, block, ...) / MxD.from_mlp, or set "
+                "layer.cfg.metadata = mxd_lens.hooks.layer_metadata(model, block)"
             )
-    d_model = model.cfg.d_model
-    if layer.cfg.d_in != d_model or layer.cfg.d_out != d_model:
-        raise ValueError(
-            f"{type(layer).__name__} maps {layer.cfg.d_in} -> {layer.cfg.d_out} but "
-            f"{model.cfg.model_name}'s MLPs map {d_model} -> {d_model}: it was built for another model"
-        )
+        self.block = int(match.group(1))
+
+    @property
+    def k(self) -> int:
+        return self.layer.cfg.k
+
+    @property
+    def default_name(self) -> str:
+        return f"L{self.block}.{self.layer.cfg.architecture().removeprefix('mxd_lens.')}.k{self.k}"
+
+    def check_fits(self, model: HookedTransformer, block: int) -> None:
+        layer = self.layer
+        trained_on = layer.cfg.metadata.model_name
+        if trained_on and trained_on != model.cfg.model_name:
+            # One model loaded from another source (a .gguf and its Hugging Face folder) has another name
+            # but the same architecture: the recorded shape decides, when the layer has one.
+            from mxd_lens.records import TrainingRecord, model_shape
+
+            recorded = TrainingRecord.of(layer).model_source.get("shape")
+            if recorded is None or recorded != model_shape(model):
+                why = (
+                    "and records no model shape to compare"
+                    if recorded is None
+                    else f"and its recorded shape {recorded} differs from this model's {model_shape(model)}"
+                )
+                raise ValueError(
+                    f"{type(layer).__name__} was trained on {trained_on!r}, but this model is {model.cfg.model_name!r} "
+                    f"{why}; set layer.cfg.metadata.model_name if they are the same model under another name"
+                )
+        d_model = model.cfg.d_model
+        if layer.cfg.d_in != d_model or layer.cfg.d_out != d_model:
+            raise ValueError(
+                f"{type(layer).__name__} maps {layer.cfg.d_in} -> {layer.cfg.d_out} but "
+                f"{model.cfg.model_name}'s MLPs map {d_model} -> {d_model}: it was built for another model"
+            )
+
+    def layer_output(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(x)
+
+    def unhooked(self, x: torch.Tensor) -> torch.Tensor | None:
+        return self.layer._forward_fast(x) if self.layer._code_hooks_active() else None
+
+    def forward_sparse(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.layer.forward_sparse(x)
+
+    def output_from_codes(self, x: torch.Tensor, values: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        return self.layer.output_from_codes(x, values, indices)
+
+
+def read_module(model: HookedTransformer, block: int, reads: Reads = "mlp") -> nn.Module:
+    """The module of block ``block`` whose input is what a layer that ``reads`` is given: "mlp": the
+    MLP module itself (its exact input); "resid": ``hook_mlp_in``'s value, the residual stream before
+    ln2, which is ln2's input (in OLMo 2/3's post-norm blocks ln2 follows the MLP and ``hook_mlp_in``
+    feeds the MLP directly: there it is the MLP's input). Read with a forward pre-hook, so
+    ``cfg.use_hook_mlp_in`` need not be on."""
+    mlp = mlp_module(model, block)
+    if reads == "mlp":
+        return mlp
+    if reads != "resid":
+        raise ValueError(f"reads={reads!r}: choose 'mlp' or 'resid'")
+    from transformer_lens.utilities.architectures import POST_NORM_ARCHITECTURES
+
+    return mlp if model.cfg.original_architecture in POST_NORM_ARCHITECTURES else model.blocks[block].ln2
+
+
+def host_map(model: HookedTransformer, block: int, reads: Reads = "mlp"):
+    """Block ``block``'s map, token by token ([T, d] -> [T, d]), from what a layer that ``reads`` is
+    given to the MLP's output: the MLP itself, or for "resid" ln2 then the MLP (what the layer's
+    Jacobian is compared with)."""
+    mlp, module = mlp_module(model, block), read_module(model, block, reads)
+    if module is mlp:
+        return lambda v: mlp(v[None])[0]
+    return lambda v: mlp(module(v[None]))[0]
 
 
 @contextmanager
 def capture_mlp_io(
-    model: HookedTransformer, blocks: Sequence[int]
+    model: HookedTransformer, blocks: Sequence[int], resid: Sequence[int] = ()
 ) -> Iterator[dict[int, dict[str, torch.Tensor]]]:
     """Record (MLP input, hook_mlp_out) of each block in ``blocks`` during forwards inside the block:
-    ``with capture_mlp_io(model, [3]) as io: model(tokens)`` then ``io[3]["in"], io[3]["out"]``."""
+    ``with capture_mlp_io(model, [3]) as io: model(tokens)`` then ``io[3]["in"], io[3]["out"]``; for
+    the blocks in ``resid`` (among ``blocks``) also ``io[b]["resid"]``, ``hook_mlp_in``'s value (the
+    residual before ln2, see :func:`read_module`)."""
     io: dict[int, dict[str, torch.Tensor]] = {block: {} for block in blocks}
     handles = []
     fwd_hooks = []
@@ -148,6 +241,9 @@ def capture_mlp_io(
         for block in blocks:
             slot = io[block]
             handles.append(mlp_module(model, block).register_forward_pre_hook(_store_input(slot)))
+            if block in resid:
+                module = read_module(model, block, "resid")
+                handles.append(module.register_forward_pre_hook(_store_input(slot, "resid")))
 
             def store_out(out: torch.Tensor, hook: Any, slot: dict[str, torch.Tensor] = slot) -> None:
                 slot["out"] = out
@@ -160,16 +256,16 @@ def capture_mlp_io(
             handle.remove()
 
 
-def _store_input(slot: dict[str, torch.Tensor]):
+def _store_input(slot: dict[str, torch.Tensor], key: str = "in"):
     def pre_hook(module: nn.Module, args: tuple[torch.Tensor, ...]) -> None:
-        slot["in"] = args[0]
+        slot[key] = args[0]
 
     return pre_hook
 
 
 @contextmanager
 def splice(
-    model: HookedTransformer, *layers: MLPReplacement[Any], error_term: bool = False
+    model: HookedTransformer, *layers: MLPReplacement[Any] | SAE[Any], error_term: bool = False
 ) -> Iterator[HookedTransformer]:
     """Run ``model`` with each layer's output in place of its block's ``hook_mlp_out``.
 
@@ -177,29 +273,38 @@ def splice(
     ``error_term=True`` the residual ``mlp_out - layer(x)`` (detached) is added back, so logits are
     the clean ones while gradients and code edits flow through the layer. Hooks are removed on exit,
     also when the block raises.
+
+    A layer from elsewhere (a SAELens transcoder: :mod:`mxd_lens.foreign`) reads where its
+    ``metadata.hook_name`` says: ``blocks.L.mlp.hook_in`` (or ``blocks.L.ln2.hook_normalized`` in a
+    model whose LayerNorm is folded), the MLP's input as above; ``blocks.L.hook_mlp_in``, the residual
+    stream *before* ln2, which it is given as it was trained (the host's ln2 normalises only the MLP's
+    input, not the layer's). Its output is SAELens's forward, ``decode(encode(x))`` (+ ``x @ W_skip.T``
+    for skip transcoders).
     """
-    placed: dict[int, MLPReplacement[Any]] = {}
+    placed: dict[int, Any] = {}
     for layer in layers:
-        index = block_of(layer)
+        rep = replacement(layer)
+        index = rep.block
         if index in placed or index in _SPLICED.get(model, {}):
             raise ValueError(f"two layers target block {index}'s MLP; splice at most one per block")
-        check_fits(model, layer, index)
+        check_block(model, index)
+        rep.check_fits(model, index)
         if not isinstance(model.hook_dict.get(mlp_out_hook(index)), HookPoint):
             raise ValueError(
                 f"{mlp_out_hook(index)} is not a plain HookPoint (an SAE is attached there?): "
                 "call model.reset_saes() first"
             )
-        placed[index] = layer
+        placed[index] = rep
 
     handles = []
     fwd_hooks = []
     try:
-        for index, layer in placed.items():
+        for index, rep in placed.items():
             slot: dict[str, torch.Tensor] = {}
-            handles.append(mlp_module(model, index).register_forward_pre_hook(_store_input(slot)))
-            fwd_hooks.append((mlp_out_hook(index), _replace_output(layer, slot, error_term)))
+            handles.append(read_module(model, index, rep.reads).register_forward_pre_hook(_store_input(slot)))
+            fwd_hooks.append((mlp_out_hook(index), _replace_output(rep, slot, error_term)))
         active = _SPLICED.setdefault(model, {})
-        active.update(placed)
+        active.update({index: rep.layer for index, rep in placed.items()})
         with model.hooks(fwd_hooks=fwd_hooks):
             yield model
     finally:
@@ -209,18 +314,19 @@ def splice(
             _SPLICED.get(model, {}).pop(index, None)
 
 
-def spliced_layers(model: HookedTransformer) -> dict[int, MLPReplacement[Any]]:
+def spliced_layers(model: HookedTransformer) -> dict[int, Any]:
     """The layers spliced into ``model`` right now, by block (inside ``splice`` contexts)."""
     return dict(_SPLICED.get(model, {}))
 
 
-def _replace_output(layer: MLPReplacement[Any], slot: dict[str, torch.Tensor], error_term: bool):
+def _replace_output(rep: Any, slot: dict[str, torch.Tensor], error_term: bool):
     def hook(mlp_out: torch.Tensor, hook: Any) -> torch.Tensor:
         x = slot.pop("in")
-        out = layer(x).to(mlp_out.dtype)
+        out = rep.layer_output(x).to(mlp_out.dtype)
         if error_term:
             with torch.no_grad():
-                clean = layer._forward_fast(x).to(mlp_out.dtype) if layer._code_hooks_active() else out
+                clean = rep.unhooked(x)
+                clean = out if clean is None else clean.to(mlp_out.dtype)
                 error = mlp_out - clean
             out = out + error
         return out

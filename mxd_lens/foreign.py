@@ -1,0 +1,227 @@
+"""Layers from elsewhere: any SAELens ``SAE`` that replaces an MLP, as ``splice`` and ``evaluate`` use it.
+
+Researchers hold transcoders trained with other code and loaded by SAELens (``SAE.from_pretrained``,
+``SAE.load_from_disk``): SAELens's ``transcoder``, ``skip_transcoder``, ``jumprelu_transcoder`` and
+``jumprelu_skip_transcoder`` (``sae_lens/saes/transcoder.py``). Such a layer says where it reads and
+writes in its cfg: ``metadata.hook_name`` and ``metadata.hook_name_out``. It replaces block L's MLP
+when it writes ``blocks.L.hook_mlp_out`` and reads, in the same block, one of
+
+- ``blocks.L.mlp.hook_in``: the MLP's input (what our layers record); read as the MLP module's exact
+  input, as for ours;
+- ``blocks.L.ln2.hook_normalized``: TransformerLens's normalised residual *before* ln2's weight (and
+  bias). It is the MLP's input only when the model's LayerNorm is folded (ln2 a ``LayerNormPre`` /
+  ``RMSNormPre``, ``fold_ln=True``): then read as the MLP module's input; otherwise refused, with why;
+- ``blocks.L.hook_mlp_in``: the residual stream before ln2: the layer is given that pre-norm residual,
+  as it was trained (the host's ln2 normalises only the MLP's input, not the layer's). Read as ln2's
+  input, so the model's ``use_hook_mlp_in`` need not be on. SAELens 6.54's Gemma Scope 2 loader
+  (``get_gemma_3_config_from_hf``) gives its transcoders this hook while recording
+  ``hf_hook_name = model.layers.L.pre_feedforward_layernorm.output``, which in Hugging Face's Gemma 3 is
+  the norm's output, the MLP's input: such a layer gets a warning saying how to make it read the MLP's
+  input instead (``metadata.hook_name = "blocks.L.mlp.hook_in"``).
+
+Anything else (a residual-stream SAE, ``hook_name_out`` missing, reading one block and writing another)
+is a ValueError naming the hook found and what is supported.
+
+Its output is what SAELens's ``forward`` computes. For ``Transcoder.forward`` (``transcoder``,
+``jumprelu_transcoder``) that is ``decode(encode(x))``, and for ``SkipTranscoder.forward``
+(``skip_transcoder``, ``jumprelu_skip_transcoder``) ``decode(encode(x)) + x @ W_skip.T`` (``W_skip`` is
+[d_out, d_in]): so one ``encode`` gives both the output and the codes the metrics need, and the output of
+any chosen codes (``evaluate``'s top-1 FVU) is ``decode(codes)`` plus the same skip. A class whose
+``forward`` is another is run through its own ``forward`` (its codes from ``encode``), and what needs the
+output of chosen codes is NaN. The input is cast to the layer's dtype first, as ``encode`` does (SAELens's
+skip product would fail on another dtype).
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from sae_lens import SAE
+from sae_lens.saes.transcoder import SkipTranscoder, Transcoder
+from transformer_lens.hook_points import HookPoint
+
+_IN_HOOK = re.compile(r"^blocks\.(\d+)\.(mlp\.hook_in|ln2\.hook_normalized|hook_mlp_in)$")
+_OUT_HOOK = re.compile(r"^blocks\.(\d+)\.hook_mlp_out$")
+SUPPORTED_READS = ("blocks.L.mlp.hook_in", "blocks.L.ln2.hook_normalized", "blocks.L.hook_mlp_in")
+_SUPPORTED = (
+    f"mxd-lens splices layers that replace an MLP: they read its input ({', '.join(SUPPORTED_READS)}) "
+    "and write 'blocks.L.hook_mlp_out' of the same block (transcoders)"
+)
+
+
+class ForeignLayer:
+    """A SAELens ``SAE`` from elsewhere as ``mxd_lens.hooks.splice`` and ``evaluate`` use it (the
+    interface of ``mxd_lens.hooks.replacement``). Raises a ValueError naming the hooks when its cfg
+    does not say it replaces one MLP (see the module docstring)."""
+
+    def __init__(self, sae: Any):
+        if not isinstance(sae, SAE):
+            raise TypeError(
+                f"{type(sae).__name__} is not a layer: give an mxd-lens layer or a SAELens SAE "
+                "(SAE.from_pretrained / SAE.load_from_disk)"
+            )
+        cfg, name = sae.cfg, type(sae).__name__
+        hook_in, hook_out = cfg.metadata.hook_name, cfg.metadata.hook_name_out
+        what = f"{name} ({cfg.architecture()!r})"
+        if hook_out is None:
+            raise ValueError(
+                f"{what} reads {hook_in!r} and records no metadata.hook_name_out: it reconstructs one "
+                f"activation (a sparse autoencoder), it does not replace an MLP; {_SUPPORTED}"
+            )
+        out_match, in_match = _OUT_HOOK.match(str(hook_out)), _IN_HOOK.match(str(hook_in))
+        if out_match is None:
+            raise ValueError(f"{what} writes {hook_out!r} (metadata.hook_name_out); {_SUPPORTED}")
+        if in_match is None:
+            raise ValueError(f"{what} reads {hook_in!r} (metadata.hook_name); {_SUPPORTED}")
+        if in_match.group(1) != out_match.group(1):
+            raise ValueError(
+                f"{what} reads {hook_in!r} (block {in_match.group(1)}) but writes {hook_out!r} (block "
+                f"{out_match.group(1)}): it does not replace one block's MLP; {_SUPPORTED}"
+            )
+        if cfg.normalize_activations != "none":
+            raise ValueError(
+                f"{what} has normalize_activations={cfg.normalize_activations!r}: SAELens's transcoders "
+                "do not undo it at the output (and do not apply 'expected_average_only_in' at all), so "
+                "the layer would not see what it was trained on; fold it into the weights first "
+                "(sae.fold_activation_norm_scaling_factor(factor)) or use a layer with 'none'"
+            )
+        forward = type(sae).forward
+        formulas = {SkipTranscoder.forward: "skip", Transcoder.forward: "plain"}
+        self._formula = formulas.get(forward)  # None: another forward, run as it is
+        if self._formula is None and sae.use_error_term:
+            raise ValueError(
+                f"{what} has use_error_term=True, which its forward would add to its output: set it "
+                "False and use mxd_lens.splice(model, layer, error_term=True)"
+            )
+        self.layer = sae
+        self.block = int(out_match.group(1))
+        self.hook_name = str(hook_in)
+        self.site = in_match.group(2)  # mlp.hook_in | ln2.hook_normalized | hook_mlp_in
+        self.reads = "resid" if self.site == "hook_mlp_in" else "mlp"
+        k = getattr(cfg, "k", None)
+        self.k = k if isinstance(k, int) and not isinstance(k, bool) else None
+        source = str(cfg.metadata.hf_hook_name or "")
+        if self.reads == "resid" and re.search(r"(norm|ln)[^.]*\.output$", source):
+            warnings.warn(
+                f"{what} reads {hook_in!r} (the residual before ln2, as mxd-lens gives it) but its "
+                f"metadata.hf_hook_name is {source!r}, a norm's output: the MLP's input in the Hugging Face "
+                "model. If it was trained on that, set "
+                f"layer.cfg.metadata.hook_name = 'blocks.{self.block}.mlp.hook_in' before splicing",
+                stacklevel=3,
+            )
+
+    @property
+    def default_name(self) -> str:
+        return f"L{self.block}.{self.layer.cfg.architecture()}" + (f".k{self.k}" if self.k else "")
+
+    def check_fits(self, model: Any, block: int) -> None:
+        """Raise unless this layer fits block ``block`` of ``model`` (which exists, with an MLP): widths,
+        the model name it records (compared without an organisation prefix, case-insensitively) and a
+        read site this model has."""
+        from transformer_lens.components import LayerNormPre, RMSNormPre
+        from transformer_lens.utilities.architectures import POST_NORM_ARCHITECTURES
+
+        cfg, name = self.layer.cfg, type(self.layer).__name__
+        trained_on, here = cfg.metadata.model_name, model.cfg.model_name
+        if trained_on and _short(trained_on) != _short(here):
+            raise ValueError(
+                f"{name} was trained on {trained_on!r}, but this model is {here!r}; if they are the same "
+                f"model under another name, set layer.cfg.metadata.model_name = {here!r} (for a folder: "
+                "metadata.model_name in its cfg.json)"
+            )
+        d_model = model.cfg.d_model
+        if cfg.d_in != d_model or getattr(cfg, "d_out", None) != d_model:
+            raise ValueError(
+                f"{name} maps {cfg.d_in} -> {getattr(cfg, 'd_out', None)} but {here}'s MLPs map "
+                f"{d_model} -> {d_model}: it was built for another model"
+            )
+        if self.site == "ln2.hook_normalized":
+            norm = model.blocks[block].ln2
+            if model.cfg.original_architecture in POST_NORM_ARCHITECTURES:
+                why = f"in {here} ({model.cfg.original_architecture}) ln2 normalises the MLP's output, not its input"
+            elif not isinstance(norm, (LayerNormPre, RMSNormPre)):
+                why = (
+                    f"in {here} ln2 is a {type(norm).__name__}, whose hook_normalized is the normalised "
+                    "residual before ln2's weight (and bias), not what the MLP reads: it equals the MLP's "
+                    "input only when the LayerNorm weights are folded into the MLP. Load the model with "
+                    "fold_ln=True (HookedTransformer.from_pretrained folds by default; "
+                    "mxd_lens.models.load_model(name, fold_ln=True); model.process_weights_(fold_ln=True))"
+                )
+            else:
+                return
+            raise ValueError(f"{name} reads {self.hook_name!r}, but {why}")
+
+    # -- the layer's output and codes ------------------------------------------------------------------
+    def layer_output(self, x: torch.Tensor) -> torch.Tensor:
+        """What SAELens's forward gives on ``x`` (code hooks run)."""
+        x = x.to(self.layer.dtype)
+        if self._formula is None:
+            return self.layer(x)
+        return self._decoded(x, self.layer.encode(x))
+
+    def unhooked(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The output with the layer's hook points off (SAELens's ``use_error_term`` does the same),
+        None when none has a hook."""
+        if not any(hp._forward_hooks or hp._forward_pre_hooks for hp in self.layer.hook_dict.values()):
+            return None
+        with _hooks_off(self.layer):
+            return self.layer_output(x)
+
+    def forward_sparse(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(output, code values, code indices): each token's m largest |codes|, m the most non-zero
+        codes of any token here (at least 1), so the zeros beyond a token's own are padding."""
+        x = x.to(self.layer.dtype)
+        codes = self.layer.encode(x)
+        out = self.layer(x) if self._formula is None else self._decoded(x, codes)
+        values, indices = sparse_codes(codes)
+        return out, values, indices
+
+    def output_from_codes(
+        self, x: torch.Tensor, values: torch.Tensor, indices: torch.Tensor
+    ) -> torch.Tensor | None:
+        """``decode`` of these codes (the rest zero) plus the skip: None for a class whose forward is
+        not SAELens's transcoder forward (how its output follows from codes is not known here)."""
+        if self._formula is None:
+            return None
+        x = x.to(self.layer.dtype)
+        codes = torch.zeros(
+            *values.shape[:-1], self.layer.cfg.d_sae, dtype=values.dtype, device=values.device
+        )
+        return self._decoded(x, codes.scatter(-1, indices, values))
+
+    def _decoded(self, x: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+        out = self.layer.decode(codes)
+        if self._formula == "skip":  # as SkipTranscoder.forward writes it
+            out = out + x @ self.layer.W_skip.T.to(x.device)
+        return out
+
+
+def sparse_codes(codes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense codes [..., d_sae] as (values, indices) [..., m]: each token's m largest |codes| (sorted),
+    m the most non-zero codes of any token (at least 1)."""
+    m = max(int((codes != 0).sum(-1).max()), 1) if codes.numel() else 1
+    indices = codes.abs().topk(m, dim=-1, sorted=True).indices
+    return codes.gather(-1, indices), indices
+
+
+def _short(model_name: str) -> str:
+    return str(model_name).rsplit("/", 1)[-1].lower()
+
+
+@contextmanager
+def _hooks_off(sae: Any) -> Iterator[None]:
+    """Each of the layer's hook points swapped for a bare one while inside (as SAELens's own
+    ``_disable_hooks``), put back on exit."""
+    saved = dict(sae.hook_dict)
+    try:
+        for name in saved:
+            setattr(sae, name, HookPoint())
+        yield
+    finally:
+        for name, hook in saved.items():
+            setattr(sae, name, hook)
