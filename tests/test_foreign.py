@@ -3,10 +3,13 @@ TransformerLens hooks and SAELens's formulas written out (mxd_lens.foreign)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import D_VOCAB, make_model
+from conftest import D_VOCAB, make_model, make_text_model
+from sae_lens import SAE
 from sae_lens.registry import SAE_CLASS_REGISTRY
 from sae_lens.saes.sae import SAEMetadata
 
@@ -309,3 +312,52 @@ def test_layers_that_do_not_replace_one_mlp_are_refused():
     with pytest.raises(ValueError, match="two layers target block 1"):
         with mxd_lens.splice(model, a, b):
             pass
+
+
+def test_eval_verb_on_a_saved_foreign_folder(tmp_path, monkeypatch, capsys):
+    import mxd_lens.models
+    from mxd_lens.cli import main
+    from mxd_lens.evaluation import held_out_batches
+
+    model, corpus = make_text_model(tmp_path)
+    asked = []
+    monkeypatch.setattr(mxd_lens.models, "load_model", lambda name, **kw: asked.append(name) or model)
+    sae = foreign(model, "jumprelu_skip_transcoder", reads="hook_mlp_in")
+    sae.cfg.metadata.dataset_path = "some/pile"
+    folder = tmp_path / "layers" / "gemma-like"
+    sae.save_model(folder)
+    before = json.loads((folder / "cfg.json").read_text())
+    args = ["eval", str(folder), "--text", str(corpus), "--split", "all", "--eval-tokens", "120"]
+    with pytest.warns(
+        UserWarning, match="gemma-like is a 'jumprelu_skip_transcoder' layer from elsewhere.*some/pile"
+    ):
+        assert main([*args, "--context-size", "12"]) == 0
+    assert asked == ["tiny-gated"]  # no --model: the model its SAELens metadata names
+    assert "gemma-like" in capsys.readouterr().out
+    cfg = json.loads((folder / "cfg.json").read_text())
+    record = cfg["metadata"].pop("evaluation")
+    assert cfg["metadata"].pop("evaluations") == [record]
+    assert cfg == before  # only the record was added
+    loaded = SAE.load_from_disk(folder)  # and SAELens still loads the folder as it was
+    assert type(loaded) is type(sae) and loaded.cfg.metadata.evaluation == record
+    for name, p in sae.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], p), name
+    batches = held_out_batches(model, corpus, "all", 120, 12, 8, 0.02, 0)
+    (row,) = evaluate(model, {"x": sae}, batches, progress=False)
+    for key in ("delta_ce", "kl", "fvu", "l0", "dead_fraction", "top1_fvu", "jacobian_cos"):
+        assert record["metrics"][key] == pytest.approx(row[key], rel=1e-6, abs=1e-9), key
+
+    # a residual-stream SAE in the folder is refused, naming the folder and the hook
+    from sae_lens import StandardSAE, StandardSAEConfig
+
+    meta = SAEMetadata(model_name="tiny-gated", hook_name="blocks.1.hook_resid_pre")
+    StandardSAE(StandardSAEConfig(d_in=16, d_sae=8, metadata=meta)).save_model(tmp_path / "layers" / "resid")
+    with pytest.raises(
+        SystemExit, match=r"resid: StandardSAE \('standard'\) reads 'blocks.1.hook_resid_pre'"
+    ):
+        main(["eval", str(tmp_path / "layers"), "--model", "m", "--text", str(corpus), "--split", "all"])
+    (tmp_path / "unknown").mkdir()
+    (tmp_path / "unknown" / "cfg.json").write_text(json.dumps({**before, "architecture": "nope"}))
+    (tmp_path / "unknown" / "sae_weights.safetensors").write_bytes(b"")
+    with pytest.raises(SystemExit, match="holds architecture 'nope', not one of the SAELens architectures"):
+        main(["eval", str(tmp_path / "unknown"), "--model", "m"])

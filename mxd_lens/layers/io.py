@@ -16,9 +16,33 @@ from mxd_lens.records import EvaluationRecord, TrainingRecord
 def load_layer(path: str | Path, device: str = "cpu", dtype: str | None = None) -> MLPReplacement:
     """Load an MxD / transcoder folder written by ``save_model``; ``sae_lens.SAE.load_from_disk``
     gives the same object once ``mxd_lens`` is imported, this adds clear errors for bad folders."""
-    from sae_lens import SAE
-
     from mxd_lens.layers import ARCHITECTURES
+
+    ours = [layer_cls.config_class.architecture() for layer_cls in ARCHITECTURES.values()]
+    hint = "load other SAELens architectures with sae_lens.SAE.load_from_disk"
+    return _load_checked(path, ours, "mxd-lens's", hint, device, dtype)
+
+
+def load_any_layer(path: str | Path, device: str = "cpu", dtype: str | None = None) -> Any:
+    """Load a layer folder of any SAELens architecture: ours as :func:`load_layer` does, any other (a
+    transcoder trained elsewhere, see ``mxd_lens.foreign``) with ``sae_lens.SAE.load_from_disk``, after
+    the same checks of the folder (what ``mxd-lens eval`` loads)."""
+    from sae_lens.registry import SAE_CLASS_REGISTRY
+
+    import mxd_lens.layers  # noqa: F401  (ours registered with SAELens)
+
+    known = list(SAE_CLASS_REGISTRY)
+    return _load_checked(
+        path, known, "the SAELens architectures", "is it a SAELens layer folder?", device, dtype
+    )
+
+
+def _load_checked(
+    path: str | Path, known: list[str], whose: str, hint: str, device: str, dtype: str | None
+) -> Any:
+    """``SAE.load_from_disk(path)`` once the folder holds both files, cfg.json is JSON naming one of the
+    ``known`` architectures and the weights' header reads; a clear error naming the file otherwise."""
+    from sae_lens import SAE
 
     path = Path(path)
     if not path.is_dir():
@@ -34,13 +58,9 @@ def load_layer(path: str | Path, device: str = "cpu", dtype: str | None = None) 
         cfg = json.loads((path / SAE_CFG_FILENAME).read_text())
     except json.JSONDecodeError as err:
         raise ValueError(f"{path / SAE_CFG_FILENAME} is not valid JSON ({err})") from None
-    ours = [layer_cls.config_class.architecture() for layer_cls in ARCHITECTURES.values()]
     architecture = cfg.get("architecture") if isinstance(cfg, dict) else None
-    if architecture not in ours:
-        raise ValueError(
-            f"{path} holds architecture {architecture!r}, not one of mxd-lens's {ours}; "
-            "load other SAELens architectures with sae_lens.SAE.load_from_disk"
-        )
+    if architecture not in known:
+        raise ValueError(f"{path} holds architecture {architecture!r}, not one of {whose} {known}; {hint}")
     weights = path / SAE_WEIGHTS_FILENAME
     try:  # reads only the header, which also says how long the file must be
         with safe_open(weights, framework="pt") as f:

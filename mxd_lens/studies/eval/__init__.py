@@ -16,7 +16,8 @@ class EvalOptions:
     eval.json beside it, and a table is printed."""
 
     layers: list[str] = field(metadata={"custom_args": {"nargs": "+"}, "positional": True})
-    """layer folders, or folders holding them (a trainer's final/, the frontier's runs/*/final)"""
+    """layer folders, or folders holding them (a trainer's final/, the frontier's runs/*/final); a folder
+    of another SAELens architecture (a transcoder trained elsewhere) loads with SAE.load_from_disk"""
 
     text: str | None = None
     """held-out text: the 'eval' side of this text's document split (default: the text the layers were

@@ -5,6 +5,7 @@ side of the training text's document split, or a text the layers never saw), mea
 from __future__ import annotations
 
 import json
+import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -48,16 +49,19 @@ def eval_result(rows: list[dict[str, Any]], recorded: bool) -> StudyResult:
 
 def model_for_layers(where: Any, options: EvalOptions) -> Any:
     """The model ``--model`` names, else the one the first layer's training record names (as
-    :func:`recorded_model` finds it from here), else the default model."""
+    :func:`recorded_model` finds it from here), else, for a layer from elsewhere (no training record),
+    the ``model_name`` its SAELens metadata names, else the default model."""
     from mxd_lens.layers.io import layer_folders
     from mxd_lens.models import load_model
 
     name, tl_name = where.model, where.tl_name
     if name is None:  # the record alone, from cfg.json (evaluate_saved loads the layers themselves, once)
         first = layer_folders(options.layers)[0]
-        meta = json.loads((first / "cfg.json").read_text()).get("metadata") or {}
+        cfg = json.loads((first / "cfg.json").read_text())
+        meta = cfg.get("metadata") or {}
         record = TrainingRecord.from_dict(meta.get("training")).model_source
-        name = recorded_model(record, first)
+        foreign = not record and meta.get("model_name") and not _ours(cfg.get("architecture"))
+        name = meta["model_name"] if foreign else recorded_model(record, first)
         tl_name = tl_name or record.get("tl_name")
     return load_model(name, tl_name=tl_name)
 
@@ -84,17 +88,28 @@ def evaluate_saved(model: Any, config: EvalOptions, progress: bool = True) -> li
     on held-out text and, with ``config.write``, record the result in each layer's cfg.json
     (``metadata.evaluations``; ``metadata.evaluation``: the latest: metrics, the text and split, tokens,
     the model's source, the library version) and in an eval.json beside it. One row per layer; an
-    :class:`EvaluationNotRecorded` (holding the rows) when the folders cannot be written."""
-    from mxd_lens import data
+    :class:`EvaluationNotRecorded` (holding the rows) when the folders cannot be written.
+
+    A folder of another SAELens architecture (a transcoder trained elsewhere: ``mxd_lens.foreign``) is
+    loaded with ``SAE.load_from_disk`` and evaluated alike. It has no mxd-lens training record, so its
+    training text cannot be checked against the evaluation text: a warning says so (naming the
+    ``dataset_path`` its SAELens metadata records, if any). Its record is written into its cfg.json's
+    ``metadata`` as for ours: SAELens keeps unknown metadata keys, so the folder loads as before."""
+    from mxd_lens import data, hooks
     from mxd_lens.config import StreamConfig
     from mxd_lens.evaluation import check_disjoint, evaluate, held_out_batches
-    from mxd_lens.layers.io import layer_folders, load_layer
+    from mxd_lens.layers.io import layer_folders, load_any_layer
     from mxd_lens.models import model_identity, model_source
 
     if config.eval_tokens <= 0:
         raise ValueError(f"--eval-tokens {config.eval_tokens}: evaluate at least one row of tokens")
     paths = layer_folders(config.layers)
-    layers = {path.name: load_layer(path) for path in paths}
+    layers = {path.name: load_any_layer(path) for path in paths}
+    for name, layer in layers.items():  # before reading any text: each layer fits this model
+        try:
+            hooks.check_fits(model, layer, hooks.block_of(layer))
+        except ValueError as err:
+            raise ValueError(f"{name}: {err}") from None
     trained = [TrainingRecord.of(layer).text for layer in layers.values()]
     first = trained[0]
     text = config.text or _recorded_text(first, paths[0]) or str(data.default_text())
@@ -114,7 +129,16 @@ def evaluate_saved(model: Any, config: EvalOptions, progress: bool = True) -> li
                  "digests": data.source_digests(text)}  # fmt: skip
     if config.split == "all":
         eval_info.update(split="eval", eval_fraction=1.0)  # every document held out
-    for name, record in zip(layers, trained, strict=True):
+    for (name, layer), record in zip(layers.items(), trained, strict=True):
+        if not record and not _ours(layer.cfg.architecture()):
+            dataset = layer.cfg.metadata.dataset_path
+            warnings.warn(
+                f"{name} is a {layer.cfg.architecture()!r} layer from elsewhere: it has no mxd-lens training "
+                + (f"record (its SAELens metadata names dataset_path={dataset!r})" if dataset else "record")
+                + ", so overlap of its training text with the evaluation text cannot be ruled out",
+                stacklevel=2,
+            )
+            continue
         try:
             check_disjoint(record, eval_info)
         except ValueError as err:
@@ -138,6 +162,13 @@ def evaluate_saved(model: Any, config: EvalOptions, progress: bool = True) -> li
         except OSError as err:
             raise EvaluationNotRecorded(rows, err) from err
     return rows
+
+
+def _ours(architecture: Any) -> bool:
+    """Whether ``architecture`` (a cfg's) is one of mxd-lens's."""
+    from mxd_lens.layers import ARCHITECTURES
+
+    return architecture in {cls.config_class.architecture() for cls in ARCHITECTURES.values()}
 
 
 def _recorded_text(record: TextRecord, folder: Path) -> str | None:
