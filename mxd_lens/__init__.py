@@ -27,6 +27,8 @@ __version__ = "0.2.0"
 LAYER_NAMES = (  # what mxd_lens.layers exports (its __all__ is this tuple)
     "ARCHITECTURES",
     "BUILT_IN",
+    "BatchTopKTranscoder",
+    "BatchTopKTranscoderConfig",
     "LayerConfig",
     "MLPReplacement",
     "MxD",

@@ -107,9 +107,10 @@ class TrainCommand:
     shuffle: Literal["global", "shard"] = "global"
     """with --cache: permute all of it every epoch (global), or read it shard by shard as a live stream"""
     arch: list[str] = field(default_factory=lambda: [RECOMMENDED_MXD, "transcoder"])
-    """architectures: keys of mxd_lens.ARCHITECTURES (mxd, transcoder, skip_transcoder, any registered), each
-    with config options if wanted: mxd:gate=topk, mxd:balance_rate=0.001, mxd:d_hidden=384; plain 'mxd' is
-    the paper's gate, the default MxD the standardised TopK gate (docs/layers.md)"""
+    """architectures: keys of mxd_lens.ARCHITECTURES (mxd, transcoder, skip_transcoder, batchtopk_transcoder,
+    any registered), each with config options if wanted: mxd:gate=topk, mxd:balance_rate=0.001,
+    mxd:d_hidden=384; plain 'mxd' is the paper's gate, the default MxD the standardised TopK gate
+    (docs/layers.md)"""
     k: list[int] = field(default_factory=lambda: [32])
     """active units per token, one or more"""
     width_multiplier: list[int] = field(default_factory=lambda: [WIDTH_MULTIPLIER])

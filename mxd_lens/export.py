@@ -94,13 +94,18 @@ def circuit_tracer_scan(model_name: str, layer: Any) -> str:
 
 def circuit_tracer_tensors(layer: Any) -> dict[str, Any]:
     """The ``SingleLayerTranscoder`` tensors of one TopK (skip) transcoder, float32, contiguous."""
-    from mxd_lens.layers import MxD, TopKSkipTranscoder, TopKTranscoder
+    from mxd_lens.layers import BatchTopKTranscoder, MxD, TopKSkipTranscoder, TopKTranscoder
 
     if isinstance(layer, MxD):
         raise TypeError(
             "an MxD has no transcoder-set form: each expert adds an input-dependent full-rank map "
             "(D diag(c_n))^T z, not a fixed decoder vector, so circuit-tracer cannot represent it; "
             "export TopK transcoders or skip transcoders, and use mxd-lens's expert attribution for MxD"
+        )
+    if isinstance(layer, BatchTopKTranscoder):
+        raise TypeError(
+            "a BatchTopK transcoder runs as JumpReLU at its learned threshold, which this transcoder set "
+            "(activation: topk) cannot say; export TopK transcoders or skip transcoders"
         )
     if not isinstance(layer, TopKTranscoder | TopKSkipTranscoder):
         raise TypeError(f"{type(layer).__name__} is not a TopK transcoder or skip transcoder")

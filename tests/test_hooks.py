@@ -7,7 +7,7 @@ import torch
 from conftest import make_model, randomise
 
 import mxd_lens
-from mxd_lens import MxD, TopKSkipTranscoder, TopKTranscoder, hooks
+from mxd_lens import BatchTopKTranscoder, MxD, TopKSkipTranscoder, TopKTranscoder, hooks
 
 
 def _mlp_input_by_hand(model, layer, tokens):
@@ -53,7 +53,7 @@ def test_spliced_from_mlp_keeps_the_logits(any_model, tokens):
     torch.testing.assert_close(spliced, clean, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("layer_type", [MxD, TopKTranscoder, TopKSkipTranscoder])
+@pytest.mark.parametrize("layer_type", [MxD, TopKTranscoder, TopKSkipTranscoder, BatchTopKTranscoder])
 def test_error_term_restores_clean_logits_and_exit_restores_model(any_model, tokens, layer_type):
     clean = any_model(tokens)
     layer = randomise(layer_type.for_model(any_model, 1, d_sae=24, k=4))

@@ -10,9 +10,9 @@ from conftest import make_model, randomise
 from sae_lens import SAE, HookedSAETransformer
 
 import mxd_lens
-from mxd_lens import MxD, TopKSkipTranscoder, TopKTranscoder
+from mxd_lens import BatchTopKTranscoder, MxD, TopKSkipTranscoder, TopKTranscoder
 
-LAYER_TYPES = [MxD, TopKTranscoder, TopKSkipTranscoder]
+LAYER_TYPES = [MxD, TopKTranscoder, TopKSkipTranscoder, BatchTopKTranscoder]
 
 
 @pytest.mark.parametrize("kind", ["gpt2", "gated"])

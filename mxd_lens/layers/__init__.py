@@ -4,6 +4,7 @@ from mxd_lens import LAYER_NAMES
 
 # Re-exported (``__all__`` is ``mxd_lens.LAYER_NAMES``, so the top-level lazy namespace and this one agree):
 from mxd_lens.layers.base import LayerConfig, MLPReplacement  # noqa: F401
+from mxd_lens.layers.batchtopk import BatchTopKTranscoder, BatchTopKTranscoderConfig  # noqa: F401
 from mxd_lens.layers.mxd import MxD, MxDConfig  # noqa: F401
 from mxd_lens.layers.registry import (  # noqa: F401
     ARCHITECTURES,
@@ -21,7 +22,12 @@ from mxd_lens.layers.transcoder import (  # noqa: F401
     TopKTranscoderConfig,
 )
 
-BUILT_IN = {"mxd": MxD, "transcoder": TopKTranscoder, "skip_transcoder": TopKSkipTranscoder}
+BUILT_IN = {
+    "mxd": MxD,
+    "transcoder": TopKTranscoder,
+    "skip_transcoder": TopKSkipTranscoder,
+    "batchtopk_transcoder": BatchTopKTranscoder,
+}
 
 
 def register() -> None:

@@ -2,7 +2,7 @@
 
 A layer maps the MLP input x [..., d_in] to the MLP output y [..., d_out] through K-sparse codes:
 
-    codes = encode(x)            # [..., d_sae], at most K non-zeros per token
+    codes = encode(x)            # [..., d_sae], at most K non-zeros per token (TopK layers)
     y     = decode(codes)        # uses what the matching encode stashed (MxD: z; skip: x)
     y     = forward(x)           # == decode(encode(x)), bit for bit, without the dense codes
 
@@ -216,10 +216,8 @@ class MLPReplacement(SAE[C]):
         lead, x2 = x.shape[:-1], x.reshape(-1, self.cfg.d_in)
         pre = torch.addmm(self.b_enc, x2, self.W_enc).reshape(*lead, self.cfg.d_sae)
         pre = self.hook_sae_acts_pre(pre)
-        values, indices = pre.topk(self.cfg.k, dim=-1, sorted=True)
-        codes = torch.zeros_like(pre).scatter(
-            -1, indices, values.clamp_min(0.0) if self.relu_codes else values
-        )
+        values, indices = self._select(pre)
+        codes = torch.zeros_like(pre).scatter(-1, indices, values)
         out = self.hook_sae_acts_post(codes)
         self._stash = _Stash(
             lead_shape=lead,
@@ -229,9 +227,39 @@ class MLPReplacement(SAE[C]):
             # decode them by their non-zeros instead of trusting the indices chosen here
             topk=out is codes and not out.is_inference(),
             codes_version=-1 if out.is_inference() else out._version,
-            indices=indices.reshape(-1, self.cfg.k),
+            indices=indices.reshape(-1, indices.shape[-1]),
         )
         return out
+
+    def _select(self, pre: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The codes among the pre-activations ``pre`` [..., d_sae] (after their hook) as (values,
+        indices) [..., k'], differentiable in ``pre``: encode's selection. Default: TopK_K(ReLU(pre))
+        (no ReLU where ``relu_codes`` is False). A layer with another selection overrides this,
+        ``_sparse_codes`` and ``_train_encode`` alike."""
+        values, indices = pre.topk(self.cfg.k, dim=-1, sorted=True)
+        return (values.clamp_min(0.0) if self.relu_codes else values), indices
+
+    def _sparse_codes(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The codes of inputs x [T, d_in] as (values, indices) [T, k'] from the sparse encoder (one
+        matmul, a backward through the selected entries only): what forward, forward_sparse and
+        encode_sparse use. Default: TopK, k' = K."""
+        return ops.topk_encode(x, self.W_enc, self.b_enc, self.cfg.k, relu=self.relu_codes)[:2]
+
+    def _train_encode(
+        self, x: torch.Tensor, aux_mask: torch.Tensor | None, k_aux: int, pre_moments: list | None
+    ) -> ops.EncoderOutput:
+        """The training batch's codes (and AuxK selection) for x [T, d_in]: ``training_forward_pass``'s
+        encoder. Default: the same TopK as at inference."""
+        return ops.topk_encode(
+            x,
+            self.W_enc,
+            self.b_enc,
+            self.cfg.k,
+            aux_mask,
+            k_aux,
+            relu=self.relu_codes,
+            pre_moments=pre_moments,
+        )
 
     def decode(self, feature_acts: torch.Tensor, x: torch.Tensor | None = None) -> torch.Tensor:
         """The output [..., d_out] for codes [..., d_sae] (edited codes are fine: steering).
@@ -299,17 +327,20 @@ class MLPReplacement(SAE[C]):
         what a trainer needs (the output and which units fired), without the code hook points."""
         x = self.process_sae_in(x)
         lead, x2 = x.shape[:-1], x.reshape(-1, self.cfg.d_in)
-        values, indices = ops.topk_encode(x2, self.W_enc, self.b_enc, self.cfg.k, relu=self.relu_codes)[:2]
+        values, indices = self._sparse_codes(x2)
         mixture = ops.decode_rows(values, indices, self.W_dec)
         out = self._output(mixture, self._decode_context(x2))
-        k = self.cfg.k
+        k = values.shape[-1]
         return out.reshape(*lead, self.cfg.d_out), values.reshape(*lead, k), indices.reshape(*lead, k)
 
     def encode_sparse(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The codes as (values [..., K], indices [..., K]), values sorted descending."""
+        """The codes as (values [..., K], indices [..., K]), values sorted descending (a layer with a
+        variable number of codes per token: [..., m] padded with zeros)."""
         x = self.process_sae_in(x)
-        values, indices = ops.topk_encode(x, self.W_enc, self.b_enc, self.cfg.k, relu=self.relu_codes)[:2]
-        return values, indices
+        lead, x2 = x.shape[:-1], x.reshape(-1, self.cfg.d_in)
+        values, indices = self._sparse_codes(x2)
+        k = values.shape[-1]
+        return values.reshape(*lead, k), indices.reshape(*lead, k)
 
     def output_from_codes(self, x: torch.Tensor, values: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         """The output [..., d_out] for sparse codes (values, indices [..., k'], any k') on input x
@@ -353,16 +384,7 @@ class MLPReplacement(SAE[C]):
         n_dead = int(dead_mask.sum()) if dead_mask is not None else 0
         use_aux = aux_coefficient > 0 and k_aux > 0 and n_dead > 0
         moments: list | None = [] if self.wants_pre_moments else None
-        enc = ops.topk_encode(
-            x2,
-            self.W_enc,
-            self.b_enc,
-            self.cfg.k,
-            dead_mask if use_aux else None,
-            k_aux if use_aux else 0,
-            relu=self.relu_codes,
-            pre_moments=moments,
-        )
+        enc = self._train_encode(x2, dead_mask if use_aux else None, k_aux if use_aux else 0, moments)
         self.pre_moments = (*moments[0], x2.shape[0]) if moments else None
         context = self._decode_context(x2)
         out = self._output(ops.decode_rows(enc.values, enc.indices, self.W_dec), context)

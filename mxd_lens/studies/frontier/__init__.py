@@ -52,12 +52,12 @@ class FrontierConfig:
     def __post_init__(self) -> None:
         from mxd_lens import data
         from mxd_lens.config import RECOMMENDED_MXD
-        from mxd_lens.layers import BUILT_IN, get_architecture
+        from mxd_lens.layers import get_architecture
 
         if self.text is None:
             self.text = str(data.default_text())
-        if self.archs is None:
-            self.archs = ["mxd", RECOMMENDED_MXD, *(key for key in BUILT_IN if key != "mxd")]
+        if self.archs is None:  # the paper's comparison; others (batchtopk_transcoder, ...) when asked for
+            self.archs = ["mxd", RECOMMENDED_MXD, "transcoder", "skip_transcoder"]
         from mxd_lens.layers import parse_arch
 
         for arch in self.archs:

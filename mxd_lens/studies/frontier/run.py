@@ -314,7 +314,7 @@ def _missing(value: Any) -> bool:
     return value is None or (isinstance(value, float) and math.isnan(value))
 
 
-_METHOD_ORDER = {"mxd": 0, "skip_transcoder": 1, "transcoder": 2}
+_METHOD_ORDER = {"mxd": 0, "skip_transcoder": 1, "transcoder": 2, "batchtopk_transcoder": 3}
 
 
 def usage_markdown(summary: Any) -> str:
