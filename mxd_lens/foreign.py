@@ -16,8 +16,8 @@ when it writes ``blocks.L.hook_mlp_out`` and reads, in the same block, one of
   input, so the model's ``use_hook_mlp_in`` need not be on. SAELens 6.54's Gemma Scope 2 loader
   (``get_gemma_3_config_from_hf``) gives its transcoders this hook while recording
   ``hf_hook_name = model.layers.L.pre_feedforward_layernorm.output``, which in Hugging Face's Gemma 3 is
-  the norm's output, the MLP's input: such a layer gets a warning saying how to make it read the MLP's
-  input instead (``metadata.hook_name = "blocks.L.mlp.hook_in"``).
+  the norm's output, the MLP's input, and what they were trained on: a layer whose ``hf_hook_name`` is a
+  norm's output therefore reads the MLP's input, with a warning that says so.
 
 Anything else (a residual-stream SAE, ``hook_name_out`` missing, reading one block and writing another)
 is a ValueError naming the hook found and what is supported.
@@ -105,13 +105,16 @@ class ForeignLayer:
         self.reads = "resid" if self.site == "hook_mlp_in" else "mlp"
         k = getattr(cfg, "k", None)
         self.k = k if isinstance(k, int) and not isinstance(k, bool) else None
-        source = str(cfg.metadata.hf_hook_name or "")
+        source = str(getattr(cfg.metadata, "hf_hook_name", None) or "")
         if self.reads == "resid" and re.search(r"(norm|ln)[^.]*\.output$", source):
+            # What the layer was trained on decides: SAELens's Gemma Scope 2 loader names hook_mlp_in (the
+            # residual before ln2) for transcoders trained on the pre-feedforward norm's output
+            self.reads = "mlp"
             warnings.warn(
-                f"{what} reads {hook_in!r} (the residual before ln2, as mxd-lens gives it) but its "
-                f"metadata.hf_hook_name is {source!r}, a norm's output: the MLP's input in the Hugging Face "
-                "model. If it was trained on that, set "
-                f"layer.cfg.metadata.hook_name = 'blocks.{self.block}.mlp.hook_in' before splicing",
+                f"{what} names {hook_in!r} (the residual before ln2) but its metadata.hf_hook_name is "
+                f"{source!r}, a norm's output: the MLP's input, which is what it was trained on, so it reads "
+                f"the MLP's input (blocks.{self.block}.mlp.hook_in); to give it the residual before ln2 "
+                "instead, set layer.cfg.metadata.hf_hook_name = None",
                 stacklevel=3,
             )
 

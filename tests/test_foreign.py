@@ -141,13 +141,11 @@ def test_a_layer_reading_hook_mlp_in_is_given_the_residual_before_ln2(tokens, ki
     with mxd_lens.splice(model, sae, error_term=True):
         torch.testing.assert_close(model(tokens), clean, rtol=1e-5, atol=1e-5)
     # SAELens's Gemma Scope 2 loader records the Hugging Face hook it came from: a norm's output is the
-    # MLP's input there, not the residual before the norm; said, and how to read the MLP's input instead
+    # MLP's input there, what the layer was trained on, so it reads the MLP's input, and says so
     sae.cfg.metadata.hf_hook_name = "model.layers.1.pre_feedforward_layernorm.output"
-    with pytest.warns(UserWarning, match=r"a norm's output.*hook_name = 'blocks.1.mlp.hook_in'"):
-        hooks.block_of(sae)
-    sae.cfg.metadata.hook_name = "blocks.1.mlp.hook_in"
-    with mxd_lens.splice(model, sae):
-        assert torch.equal(model(tokens), run_by_hand(model, {1: same_weights_at_mlp_in}, tokens))
+    with pytest.warns(UserWarning, match=r"a norm's output.*reads the MLP's input \(blocks.1.mlp.hook_in\)"):
+        with mxd_lens.splice(model, sae):
+            assert torch.equal(model(tokens), run_by_hand(model, {1: same_weights_at_mlp_in}, tokens))
 
 
 @pytest.mark.parametrize("kind", ["gpt2", "gated"])
