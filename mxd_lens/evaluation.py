@@ -32,6 +32,12 @@ gives signed codes):
   random directions per token).
   (When the model prepends BOS, position 0 is left out of all of these, as in training.)
 
+``skip_positions = N`` leaves the first N positions of every row out of everything: CE and KL count the
+predictions made at positions N and later (of tokens N + 1 on), FVU and the usage counts the activations
+at positions N and later (and at least position 0 with BOS). For layers not trained there, e.g. Gemma
+Scope 2's instruction-tuned transcoders, which skipped the first 4 positions; the layer still replaces
+the MLP at every position, so later positions see its output there through attention.
+
 Layers from elsewhere (SAELens transcoders, ``mxd_lens.foreign``) are measured the same way: their codes
 are ``encode(x)``, their output SAELens's forward. One that reads ``blocks.L.hook_mlp_in`` (the residual
 before ln2) is given that residual, and its Jacobian is compared with ln2 then the MLP, the map from the
@@ -68,6 +74,7 @@ def evaluate(
     together: bool = False,
     baselines: bool = True,
     skip_first_position: bool | None = None,
+    skip_positions: int = 0,
     progress: bool = True,
     jacobian_tokens: int = 256,
     jacobian_directions: int | None = 16,
@@ -77,7 +84,8 @@ def evaluate(
     ``batches`` are [batch, context] token tensors from *held-out* text. ``baselines=False`` skips
     the zero- and mean-ablation runs (no ``ce_*_ablation`` / ``ce_recovered_*`` columns). Turn the
     result into a table with ``pandas.DataFrame(rows)``. ``jacobian_tokens`` (0: skip) and
-    ``jacobian_directions`` (None: the exact Jacobian) set the Jacobian cosine (see the module doc).
+    ``jacobian_directions`` (None: the exact Jacobian) set the Jacobian cosine; ``skip_positions`` leaves
+    each row's first positions out of every metric (see the module doc; recorded in each row).
 
     Cost per batch: one clean forward that keeps the residual stream at each replaced block; per
     layer, the layer on the clean MLP input it saw there (once: the output serves the splice and FVU,
@@ -104,7 +112,12 @@ def evaluate(
         raise ValueError("together=True splices all layers at once, so each must replace a different block")
     blocks = sorted(set(index.values()))
     resid_blocks = sorted({rep.block for rep in reps.values() if rep.reads == "resid"})
-    skip = int(model.cfg.default_prepend_bos if skip_first_position is None else skip_first_position)
+    if isinstance(skip_positions, bool) or not isinstance(skip_positions, int) or skip_positions < 0:
+        raise ValueError(f"skip_positions={skip_positions!r}: give a number of positions, 0 or more")
+    first = skip_positions
+    skip = max(
+        int(model.cfg.default_prepend_bos if skip_first_position is None else skip_first_position), first
+    )
     resid_names = [f"blocks.{b}.hook_resid_pre" for b in blocks]
 
     sums: dict[str, float] = {}
@@ -118,13 +131,18 @@ def evaluate(
     kept: list[tuple[dict[int, torch.Tensor], torch.Tensor]] = []  # residuals for the mean-ablation pass
     n_pred = n_tokens = 0
     for tokens in tqdm(batches, desc="evaluating", unit="batch", disable=not progress):
+        if tokens.shape[1] - 1 <= first:
+            raise ValueError(
+                f"skip_positions={first} leaves no prediction in rows of {tokens.shape[1]} tokens: "
+                "skip fewer positions or evaluate longer rows"
+            )
         with torch.inference_mode():
             with hooks.capture_mlp_io(model, blocks, resid=resid_blocks) as io:
                 logits, cache = model.run_with_cache(tokens, names_filter=resid_names)
             resid = {b: cache[f"blocks.{b}.hook_resid_pre"] for b in blocks}
-            clean_logp = F.log_softmax(logits[:, :-1].float(), dim=-1)
+            clean_logp = F.log_softmax(logits[:, first:-1].float(), dim=-1)
             clean_p = clean_logp.exp()  # once per batch, shared by every variant's KL
-            target = tokens[:, 1:].to(clean_logp.device)
+            target = tokens[:, first + 1 :].to(clean_logp.device)
             n_pred += target.numel()
             clean_sum = _ce_sum(clean_logp, target)
             _add(sums, "ce_clean", clean_sum)
@@ -143,7 +161,7 @@ def evaluate(
                 out, values, idx = rep.forward_sparse(x)
                 out = out.to(y.dtype)
                 ce_sum, kl_sum = _score(
-                    sums, f"splice:{name}", _run_from(model, resid, block, {block: out}), target, clean
+                    sums, f"splice:{name}", _run_from(model, resid, block, {block: out}), target, clean, first
                 )
                 per_batch[name].append(((ce_sum - clean_sum) / target.numel(), kl_sum / target.numel()))
                 out, values, idx = out[:, skip:], values[:, skip:], idx[:, skip:]
@@ -167,7 +185,14 @@ def evaluate(
             if baselines:
                 for block in blocks:
                     zero = torch.zeros_like(io[block]["out"])
-                    _score(sums, f"zero:{block}", _run_from(model, resid, block, {block: zero}), target)
+                    _score(
+                        sums,
+                        f"zero:{block}",
+                        _run_from(model, resid, block, {block: zero}),
+                        target,
+                        None,
+                        first,
+                    )
             if together:
                 with hooks.splice(model, *named.values()):
                     _score(
@@ -176,6 +201,7 @@ def evaluate(
                         model(resid[blocks[0]], start_at_layer=blocks[0]),
                         target,
                         clean,
+                        first,
                     )
     if n_pred == 0:
         raise ValueError("evaluate got no token batches")
@@ -188,7 +214,7 @@ def evaluate(
                     r = resid[block].to(model.cfg.device)
                     mean = means[block].to(r.dtype).expand_as(r)
                     logp = F.log_softmax(
-                        _run_from(model, {block: r}, block, {block: mean})[:, :-1].float(), -1
+                        _run_from(model, {block: r}, block, {block: mean})[:, first:-1].float(), -1
                     )
                     _add(sums, f"ce:mean:{block}", _ce_sum(logp, target.to(logp.device)))
 
@@ -231,6 +257,8 @@ def evaluate(
                 list(named),
             )
         )
+    for row in rows:
+        row["skip_positions"] = first
     return rows
 
 
@@ -261,10 +289,12 @@ def _row(
     return row
 
 
-def _score(sums, label: str, logits: torch.Tensor, target: torch.Tensor, clean=None) -> tuple[float, float]:
-    """Add a variant's CE (and, given the clean (log p, p), its KL from the clean model) to ``sums``;
-    return this batch's (CE sum, KL sum)."""
-    logp = F.log_softmax(logits[:, :-1].float(), dim=-1)
+def _score(
+    sums, label: str, logits: torch.Tensor, target: torch.Tensor, clean=None, first: int = 0
+) -> tuple[float, float]:
+    """Add a variant's CE (and, given the clean (log p, p), its KL from the clean model) to ``sums``,
+    over the predictions made at positions ``first`` and later; return this batch's (CE sum, KL sum)."""
+    logp = F.log_softmax(logits[:, first:-1].float(), dim=-1)
     ce = _ce_sum(logp, target)
     _add(sums, f"ce:{label}", ce)
     kl = 0.0

@@ -70,6 +70,7 @@ class EvaluationRecord:
     text: TextRecord = field(default_factory=TextRecord)
     tokens: int = 0
     context_size: int | None = None
+    skip_positions: int = 0  # each row's first positions left out of every metric (0 before it existed)
     metrics: dict[str, Any] = field(default_factory=dict)
     model: dict[str, Any] | None = None
     mxd_lens_version: str | None = None
@@ -88,8 +89,9 @@ class EvaluationRecord:
 
     def key(self) -> tuple[Any, ...]:
         """What makes two evaluations the same measurement: the text (by content) and its side, the
-        tokens and the context size; a new evaluation replaces an old one with the same key."""
-        return (*self.text.identity(), self.tokens, self.context_size)
+        tokens, the context size and the positions left out; a new evaluation replaces an old one with
+        the same key."""
+        return (*self.text.identity(), self.tokens, self.context_size, self.skip_positions)
 
     @staticmethod
     def all_of(metadata: Mapping[str, Any] | None) -> list[EvaluationRecord]:

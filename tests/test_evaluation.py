@@ -223,9 +223,12 @@ def test_each_evaluation_text_keeps_its_own_record(tmp_path, capsys, monkeypatch
         assert main([*common, "--text", str(corpus), "--eval-tokens", "240"]) == 0
         assert main([*common, "--text", str(corpus), "--eval-tokens", "120"]) == 0  # replaces the first
     printed = capsys.readouterr().out
+    with pytest.warns(UserWarning, match="records no training text"):  # positions left out: another record
+        assert main([*common, "--text", str(corpus), "--eval-tokens", "120", "--skip-positions", "3"]) == 0
+    assert "the first 3 positions of every row left out" in capsys.readouterr().out
     meta = json.loads((tmp_path / "L1" / "cfg.json").read_text())["metadata"]
-    seen = [(r["text"]["text"], r["tokens"]) for r in meta["evaluations"]]
-    assert [(t, n) for t, n in seen] == [(str(other), 110), (str(corpus), 220), (str(corpus), 110)]
+    seen = [(r["text"]["text"], r["tokens"], r["skip_positions"]) for r in meta["evaluations"]]
+    assert seen == [(str(other), 110, 0), (str(corpus), 220, 0), (str(corpus), 110, 0), (str(corpus), 80, 3)]
     assert meta["evaluation"] == meta["evaluations"][-1]
     assert "silent on 110 tokens" in printed and "ΔCE ± se" in printed and "zero-ablation ΔCE" in printed
     assert "clean CE" in printed
@@ -233,3 +236,48 @@ def test_each_evaluation_text_keeps_its_own_record(tmp_path, capsys, monkeypatch
     assert main(["info", str(tmp_path / "L1")]) == 0
     shown = capsys.readouterr().out
     assert "evaluation 1 on" in shown and "evaluation 3 on" in shown and "eval 2: delta_ce" in shown
+
+
+@pytest.mark.parametrize("first", [0, 1, 4])
+def test_skipped_positions_leave_exactly_those_predictions_and_activations_out(first):
+    """skip_positions = N: CE and KL over the predictions at positions N.. (of tokens N+1..), FVU and L0
+    over the activations at positions max(N, 1).. (BOS), each against a hand computation on the same
+    batches; the counted tokens change by exactly the positions left out."""
+    model = make_model("gpt2")
+    data = batches()
+    tc = randomise(TopKTranscoder.for_model(model, 1, d_sae=24, k=4), seed=3)
+    (row,) = evaluate(model, {"tc": tc}, data, skip_positions=first, baselines=False, progress=False)
+    _, spliced_logp = hand_spliced(model, {1: tc}, data)
+    with torch.no_grad():
+        clean_logp = [F.log_softmax(model(t)[:, :-1], -1) for t in data]
+    targets = [t[:, 1:] for t in data]
+
+    def ce(logps):
+        pairs = zip(logps, targets, strict=True)
+        return sum(float(-lp[:, first:].gather(-1, t[:, first:, None]).sum()) for lp, t in pairs)
+
+    n = sum(t[:, first:].numel() for t in targets)
+    assert row["tokens"] == n == 3 * 2 * (11 - first)  # 3 batches of 2 rows of 12 tokens
+    assert row["ce_clean"] == pytest.approx(ce(clean_logp) / n, rel=1e-5)
+    assert row["delta_ce"] == pytest.approx((ce(spliced_logp) - ce(clean_logp)) / n, abs=1e-5)
+    kl = (
+        sum(
+            float((c.exp() * (c - s))[:, first:].sum()) for c, s in zip(clean_logp, spliced_logp, strict=True)
+        )
+        / n
+    )
+    assert row["kl"] == pytest.approx(kl, rel=1e-4) and row["skip_positions"] == first
+    with mxd_lens.capture_mlp_io(model, [1]) as io:
+        pairs = [(model(t), io[1]["in"].clone(), io[1]["out"].clone())[1:] for t in data]
+    kept = max(first, 1)
+    x = torch.cat([p[0][:, kept:].reshape(-1, 16) for p in pairs])
+    y = torch.cat([p[1][:, kept:].reshape(-1, 16) for p in pairs])
+    with torch.no_grad():
+        assert row["fvu"] == pytest.approx(
+            float((tc(x) - y).pow(2).sum() / (y - y.mean(0)).pow(2).sum()), rel=1e-4
+        )
+        assert row["l0"] == pytest.approx(float((tc.encode(x) != 0).sum(-1).float().mean()), rel=1e-6)
+    with pytest.raises(ValueError, match="skip_positions=11 leaves no prediction"):
+        evaluate(model, {"tc": tc}, data, skip_positions=11, progress=False)
+    with pytest.raises(ValueError, match="give a number of positions"):
+        evaluate(model, {"tc": tc}, data, skip_positions=-1, progress=False)

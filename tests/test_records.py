@@ -63,7 +63,7 @@ def test_a_saved_layer_with_an_old_record_loads_both_ways(tmp_path):
 def test_text_and_evaluation_records_read_what_cfg_json_stores():
     text = {"text": "mxd_lens:resources/a.txt", "split": "eval", "eval_fraction": 0.05, "split_seed": 0,
             "digests": {"a.txt": "sha256:00"}}  # fmt: skip
-    stored = {"metrics": {"kl": 0.01}, "text": text, "tokens": 640, "context_size": 128,
+    stored = {"metrics": {"kl": 0.01}, "text": text, "tokens": 640, "context_size": 128, "skip_positions": 0,
               "model": {"kind": "hub", "name": "m"}, "mxd_lens_version": "0.2.0"}  # fmt: skip
     record = EvaluationRecord.from_dict(stored)
     assert record.to_dict() == stored and record.text == TextRecord.from_dict(text)
@@ -71,7 +71,7 @@ def test_text_and_evaluation_records_read_what_cfg_json_stores():
     # The same measurement is the same text content and side, tokens and context, whatever the name
     renamed = {**stored, "text": {**text, "text": "/elsewhere/b.txt"}, "metrics": {"kl": 0.02}}
     assert EvaluationRecord.from_dict(renamed).key() == record.key()
-    for change in ({"tokens": 320}, {"context_size": 64}, {"text": {**text, "split": "train"}},
+    for change in ({"tokens": 320}, {"context_size": 64}, {"skip_positions": 4}, {"text": {**text, "split": "train"}},
                    {"text": {**text, "digests": {"a.txt": "sha256:11"}}}):  # fmt: skip
         assert EvaluationRecord.from_dict({**stored, **change}).key() != record.key(), change
     # A layer evaluated before there could be several records one "evaluation"; none at all reads as []
@@ -80,4 +80,6 @@ def test_text_and_evaluation_records_read_what_cfg_json_stores():
         "kl": 0.02
     }
     assert EvaluationRecord.all_of({}) == EvaluationRecord.all_of(None) == []
+    older = {k: v for k, v in stored.items() if k != "skip_positions"}  # written before the option
+    assert EvaluationRecord.from_dict(older).key() == record.key()
     assert not TextRecord() and not TrainingRecord().text and TrainingRecord(data=text).text.split == "eval"

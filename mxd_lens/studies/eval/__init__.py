@@ -30,6 +30,9 @@ class EvalOptions:
     """tokens per row, BOS included"""
     rows_per_forward: int = 8
     """rows per evaluation forward"""
+    skip_positions: int = 0
+    """leave the first N positions of every row out of CE, KL, FVU and the usage counts (e.g. 4 for Gemma
+    Scope 2's instruction-tuned transcoders, not trained there); recorded with the results"""
     eval_fraction: float | None = None
     """the split's eval fraction (default: the layers' training record, else StreamConfig's)"""
     split_seed: int | None = None

@@ -40,9 +40,11 @@ def eval_result(rows: list[dict[str, Any]], recorded: bool) -> StudyResult:
     if "ce_zero_ablation" in table:
         table["zero_ablation_cost"] = table["ce_zero_ablation"] - table["ce_clean"]
     tokens = int(table["tokens"].iloc[0])
+    skipped = int(table["skip_positions"].iloc[0]) if "skip_positions" in table else 0
     text = NOTE + (
-        "\n\nrecorded in each layer's cfg.json (metadata.evaluations) and eval.json" if recorded else ""
+        f"; the first {skipped} positions of every row left out of every metric" if skipped else ""
     )
+    text += "\n\nrecorded in each layer's cfg.json (metadata.evaluations) and eval.json" if recorded else ""
     return StudyResult(name="eval", table=table, columns=columns(*SHOWN, se=("delta_ce", "kl"), dead_fraction=f"silent on {tokens:,} tokens"),
                        text=text, value=rows)  # fmt: skip
 
@@ -155,7 +157,7 @@ def evaluate_saved(model: Any, config: EvalOptions, progress: bool = True) -> li
                 )
     batches = held_out_batches(model, text, config.split, config.eval_tokens, config.context_size,
                                config.rows_per_forward, fraction, seed)  # fmt: skip
-    rows = evaluate(model, layers, batches, progress=progress)
+    rows = evaluate(model, layers, batches, skip_positions=config.skip_positions, progress=progress)
     if config.write:
         try:
             _record_evaluations(paths, rows, eval_info, config, model)
@@ -223,6 +225,7 @@ def _record_evaluations(paths: Sequence[Path], rows: list[dict[str, Any]], eval_
             "text": {**eval_info, "split": config.split},
             "tokens": row["tokens"],
             "context_size": config.context_size,
+            "skip_positions": config.skip_positions,
             "model": model_source(model),
             "mxd_lens_version": __version__,
         }
