@@ -401,7 +401,7 @@ def plot_frontier(table: Any, path: Path | None = None, x: str = "k", prefix: st
         ("fvu", "FVU of the MLP output", "log"),
     )
     blocks = sorted(table["block"].unique())
-    fig = Figure(figsize=(4.4 * len(blocks) + 1.5, 9.5), layout="constrained")
+    fig = Figure(figsize=(4.4 * len(blocks) + 1.5, 10.5), layout="constrained")
     axes = fig.subplots(len(panels), len(blocks), squeeze=False)
     ks = sorted(table["k"].unique())
     for col, block in enumerate(blocks):
@@ -425,12 +425,13 @@ def plot_frontier(table: Any, path: Path | None = None, x: str = "k", prefix: st
             ax.set_title(f"block {block}: {title}{where}", fontsize=10)
             ax.grid(alpha=0.3)
         axes[0, col].axhline(0, color="grey", lw=0.8)
-    axes[0, 0].legend()
+    handles, labels = axes[0, 0].get_legend_handles_labels()  # below the panels, where it hides no curve
+    fig.legend(handles, labels, loc="outside lower center", ncols=min(3, len(labels)), fontsize=8)
     model = table["model"].iloc[0]
     m = table["width_multiplier"].iloc[0]
     tokens = table["train_tokens"].iloc[0]
     seeds = table["seed"].nunique() if "seed" in table else 1
-    spread = f"; bars: min-max over {seeds} seeds" if seeds > 1 else ""
+    spread = f"\nbars: min-max over {seeds} seeds" if seeds > 1 else ""  # a line of its own: narrow figures
     fig.suptitle(f"{model}, m = {m}, {tokens:,} training tokens{spread}", fontsize=10)
     if path is not None:
         fig.savefig(path, dpi=120)
