@@ -6,6 +6,6 @@ cd "$(dirname "$0")/../../.."
 export HF_HUB_OFFLINE=1 OMP_NUM_THREADS=${THREADS:-2}
 # jemalloc keeps freed buffers (glibc returns those over 32 MB to the kernel and page-faults them back)
 JE=/usr/lib/x86_64-linux-gnu/libjemalloc.so.2; [ -f $JE ] && export LD_PRELOAD=$JE
-exec .venv/bin/python analyses/frontier.py --progress false --text results/data/mix7.txt.xz \
+exec .venv/bin/mxd-lens frontier --progress false --text results/data/mix7.txt.xz \
     --eval-fraction 0.05 --train-tokens 524288 --cache-dtype float16 \
     --blocks 5 15 25 --ks 32 --out results/protocol --cache results/cache-mix7 --cache-only true

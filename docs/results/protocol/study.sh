@@ -8,6 +8,8 @@
 #                                           # 0.1 and 0.01): does it break the topk gate's always-on core?
 #   bash docs/results/protocol/study.sh D   # the standardised gate (r = 0.1) where A3 did not run: blocks 5
 #                                           # and 25, and block 15's second seed
+#   bash docs/results/protocol/study.sh S   # A0's four layers and the standardised-gate MxD in one run, the
+#                                           # layers steer.sh reads (rebuilt after a reset; ~1 hour)
 # Methods: MxD with the paper's gate, MxD with the new variant the sweep chose (sweep.md), the TopK and
 # skip transcoders, parameter-matched at m = 8, each at the rate the sweep chose for it. Training: 2 epochs
 # over the 16-shard cache (cache.sh; 524,288 tokens, 2,048 steps of 512). Evaluation: 32,768 held-out
@@ -15,7 +17,7 @@
 # Resumable: rerun the same command (checkpoints under results/protocol-PART/runs). THREADS (default 2).
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
-PART=${1:?give A, A0, A3, B, C or D}
+PART=${1:?give A, A0, A3, B, C, D or S}
 export HF_HUB_OFFLINE=1 OMP_NUM_THREADS=${THREADS:-2}
 JE=/usr/lib/x86_64-linux-gnu/libjemalloc.so.2; [ -f $JE ] && export LD_PRELOAD=$JE
 DATA=${DATA:-../shared/data}
@@ -34,9 +36,11 @@ case $PART in
   B) POINTS=(--blocks 5 25 --ks 32 --grid 25:32@1) ;;
   C) POINTS=(--blocks 15 --ks 16 64)
      ARCHS+=("$STD_MXD"); ARCH_LR+=" $STD_MXD=0.002" ;;
+  S) POINTS=(--blocks 15 --ks 32)
+     ARCHS+=("$STD_MXD"); ARCH_LR+=" $STD_MXD=0.002" ;;
   D) POINTS=(--blocks 5 25 --ks 32 --grid 15:32@1)
      ARCHS=("$STD_MXD"); ARCH_LR="$STD_MXD=0.002" ;;
-  *) echo "unknown part $PART: give A, A0, A3, B, C or D" >&2; exit 2 ;;
+  *) echo "unknown part $PART: give A, A0, A3, B, C, D or S" >&2; exit 2 ;;
 esac
 exec .venv/bin/mxd-lens frontier --progress false --text results/data/mix7.txt.xz \
     --eval-fraction 0.05 --eval-tokens 32768 --ood-text $DATA/probing/topic_bbc_news.jsonl.xz \
