@@ -57,15 +57,9 @@ class Contributions:
 
 @torch.no_grad()
 def contributions(layer: Any, x: torch.Tensor) -> Contributions:
-    """The exact per-unit split of ``layer(x)`` for inputs x [T, d_in] (see the module docstring)."""
-    x2 = layer.process_sae_in(x).reshape(-1, layer.cfg.d_in)
-    values, indices = layer.encode_sparse(x2)
-    context = layer._decode_context(x2)
-    zero = torch.zeros(x2.shape[0], layer.cfg.d_out, dtype=layer.W_dec.dtype, device=x2.device)
-    rest = layer._output(zero, context)
-    rows = layer.W_dec[indices] * values[..., None]  # a_n W_dec[n], [T, K, d_out]
-    vectors = torch.stack([layer._output(rows[:, j], context) - rest for j in range(rows.shape[1])], dim=1)
-    return Contributions(indices, values, vectors, rest)
+    """The exact per-unit split of ``layer(x)`` for inputs x [T, d_in] (see the module docstring): any
+    mxd-lens layer, or a SAELens transcoder from elsewhere (``mxd_lens.foreign``), x being what it reads."""
+    return Contributions(*hooks.replacement(layer).split(x))
 
 
 def logit_target(
@@ -151,7 +145,9 @@ def attribute(model: Any, tokens: Any, target: Callable[[torch.Tensor], torch.Te
     freeze_names = lambda name: name.endswith(("hook_pattern", "hook_scale"))  # noqa: E731
     mlp_out = [f"blocks.{b}.hook_mlp_out" for b in range(model.cfg.n_layers)]
     wanted = lambda name: freeze_names(name) or name in mlp_out  # noqa: E731
-    with torch.no_grad(), hooks.capture_mlp_io(model, sorted(spliced)) as io:
+    reps = {block: hooks.replacement(layer) for block, layer in spliced.items()}
+    resid = hooks.resid_blocks(list(reps.values()))
+    with torch.no_grad(), hooks.capture_mlp_io(model, sorted(spliced), resid=resid) as io:
         _, cache = model.run_with_cache(tokens, names_filter=wanted)
 
     leaves: dict[str, torch.Tensor] = {}
@@ -198,7 +194,7 @@ def attribute(model: Any, tokens: Any, target: Callable[[torch.Tensor], torch.Te
             parts += [{"kind": "mlp (dense)", "block": block, "position": t, "attribution": float(v)}
                       for t, v in enumerate((written * g).sum(-1))]  # fmt: skip
             continue
-        split = contributions(spliced[block], io[block]["in"][0])
+        split = contributions(spliced[block], hooks.layer_input(io, reps[block])[0])
         unit_attr = (split.vectors * g[:, None, :]).sum(-1)  # [T, K]
         error = written - split.total()
         for t in range(n_pos):
@@ -273,9 +269,10 @@ def edges(model: Any, tokens: Any, upstream: int, downstream: int, keep: float =
     up, down = spliced[upstream], spliced[downstream]
     mlp_out = [f"blocks.{b}.hook_mlp_out" for b in range(model.cfg.n_layers)]
     freeze_names = lambda name: name.endswith(("hook_pattern", "hook_scale"))  # noqa: E731
-    with torch.no_grad(), hooks.capture_mlp_io(model, [upstream]) as io:
+    up_rep, down_rep = hooks.replacement(up), hooks.replacement(down)
+    with torch.no_grad(), hooks.capture_mlp_io(model, [upstream], resid=hooks.resid_blocks([up_rep])) as io:
         _, cache = model.run_with_cache(tokens, names_filter=lambda n: freeze_names(n) or n in mlp_out)
-    split = contributions(up, io[upstream]["in"][0])
+    split = contributions(up, hooks.layer_input(io, up_rep)[0])
     source_name = f"blocks.{upstream}.hook_mlp_out"
     leaf: dict[str, torch.Tensor] = {}
 
@@ -289,12 +286,13 @@ def edges(model: Any, tokens: Any, upstream: int, downstream: int, keep: float =
             leaf["source"] = out
         return out
 
-    with torch.enable_grad(), hooks.capture_mlp_io(model, [downstream]) as down_io:
+    down_resid = hooks.resid_blocks([down_rep])
+    with torch.enable_grad(), hooks.capture_mlp_io(model, [downstream], resid=down_resid) as down_io:
         model.run_with_hooks(tokens, fwd_hooks=[(freeze_names, freeze), (lambda n: n in mlp_out, constant)],
                              stop_at_layer=downstream + 1)  # fmt: skip
-        x = down.process_sae_in(down_io[downstream]["in"][0])
-        values, indices = down.encode_sparse(x.detach())
-        pre = x @ down.W_enc + down.b_enc  # [T, N], linear in the upstream MLP output under the freeze
+        x = hooks.layer_input(down_io, down_rep)[0]
+        values, indices = down_rep.encode_sparse(x.detach())
+        pre = down_rep.pre_activations(x)  # [T, N], linear in the upstream MLP output under the freeze
         rows = []
         for t2 in range(x.shape[0]):
             for j in range(indices.shape[1]):

@@ -197,6 +197,39 @@ class ForeignLayer:
         )
         return self._decoded(x, codes.scatter(-1, indices, values))
 
+    # -- what the studies read (probing, inspect, attribution) -----------------------------------------
+    @property
+    def d_sae(self) -> int:
+        return self.layer.cfg.d_sae
+
+    def encode_sparse(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(code values, code indices) [..., m] from SAELens's ``encode`` (its hooks run): each token's m
+        largest |codes|, m the most non-zero codes of any token here, zeros beyond a token's own."""
+        return sparse_codes(self.layer.encode(x.to(self.layer.dtype)))
+
+    def pre_activations(self, x: torch.Tensor) -> torch.Tensor:
+        """The encoder's pre-activations ``process_sae_in(x) W_enc + b_enc`` [..., d_sae], as SAELens's
+        transcoders' ``encode`` computes them (before ReLU / the JumpReLU threshold)."""
+        self._need_formula("its encoder's pre-activations")
+        return self.layer.process_sae_in(x.to(self.layer.dtype)) @ self.layer.W_enc + self.layer.b_enc
+
+    def split(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The exact per-unit split of the output on inputs x [T, d_in] (as ``OurLayer.split``): unit n's
+        vector a_n W_dec[n]; the rest b_dec, plus x W_skip^T for a skip transcoder."""
+        self._need_formula("its output split by latent")
+        x = x.to(self.layer.dtype).reshape(-1, self.layer.cfg.d_in)
+        values, indices = self.encode_sparse(x)
+        vectors = self.layer.W_dec[indices] * values[..., None]
+        rest = self._decoded(x, torch.zeros(x.shape[0], self.layer.cfg.d_sae, dtype=x.dtype, device=x.device))
+        return indices, values, vectors, rest
+
+    def _need_formula(self, what: str) -> None:
+        if self._formula is None:
+            raise ValueError(
+                f"{type(self.layer).__name__} has its own forward, so {what} is not known here; mxd-lens reads "
+                "SAELens's transcoder formulas (Transcoder, SkipTranscoder and their JumpReLU classes)"
+            )
+
     def _decoded(self, x: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
         out = self.layer.decode(codes)
         if self._formula == "skip":  # as SkipTranscoder.forward writes it

@@ -199,6 +199,56 @@ class OurLayer:
     def output_from_codes(self, x: torch.Tensor, values: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         return self.layer.output_from_codes(x, values, indices)
 
+    # -- what the studies read (probing, inspect, attribution) -----------------------------------------
+    @property
+    def d_sae(self) -> int:
+        return self.layer.cfg.d_sae
+
+    def encode_sparse(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(code values, code indices) [..., K] of inputs x [..., d_in]."""
+        return self.layer.encode_sparse(x)
+
+    def pre_activations(self, x: torch.Tensor) -> torch.Tensor:
+        """The gate's / encoder's pre-activations ``x W_enc + b_enc`` [..., d_sae] (MxD: x G + b_G)."""
+        x = self.layer.process_sae_in(x)
+        return x @ self.layer.W_enc + self.layer.b_enc
+
+    def split(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The exact per-unit split of the output on inputs x [T, d_in]: (indices [T, K], values [T, K],
+        vectors [T, K, d_out], rest [T, d_out]) with vectors.sum(1) + rest the output (see
+        ``mxd_lens.attribution``): each unit's a_n W_dec[n] through the layer's output map, minus its value
+        at no unit."""
+        layer = self.layer
+        x2 = layer.process_sae_in(x).reshape(-1, layer.cfg.d_in)
+        values, indices = layer.encode_sparse(x2)
+        context = layer._decode_context(x2)
+        zero = torch.zeros(x2.shape[0], layer.cfg.d_out, dtype=layer.W_dec.dtype, device=x2.device)
+        rest = layer._output(zero, context)
+        rows = layer.W_dec[indices] * values[..., None]  # a_n W_dec[n], [T, K, d_out]
+        vectors = torch.stack([layer._output(rows[:, j], context) - rest for j in range(rows.shape[1])], dim=1)
+        return indices, values, vectors, rest
+
+
+def layer_input(io: dict[int, dict[str, torch.Tensor]], rep: Any) -> torch.Tensor:
+    """What the layer behind ``rep`` (a :func:`replacement`) reads, from :func:`capture_mlp_io`'s record:
+    the MLP's input, or for a layer that reads "resid" the residual before ln2 (capture its block with
+    ``resid=[block]``: see :func:`resid_blocks`)."""
+    slot = io[rep.block]
+    if rep.reads == "resid":
+        if "resid" not in slot:
+            raise KeyError(
+                f"block {rep.block}'s layer reads the residual before ln2: capture it with "
+                f"capture_mlp_io(model, blocks, resid=[{rep.block}])"
+            )
+        return slot["resid"]
+    return slot["in"]
+
+
+def resid_blocks(reps: Sequence[Any]) -> list[int]:
+    """The blocks among ``reps`` (replacements) whose layer reads the residual before ln2 (what
+    :func:`capture_mlp_io` must also record for :func:`layer_input`)."""
+    return sorted({rep.block for rep in reps if rep.reads == "resid"})
+
 
 def read_module(model: HookedTransformer, block: int, reads: Reads = "mlp") -> nn.Module:
     """The module of block ``block`` whose input is what a layer that ``reads`` is given: "mlp": the

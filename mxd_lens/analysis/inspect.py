@@ -54,9 +54,10 @@ def top_activations(
     shows as context. Without a tokenizer, token ids stand in for text.
     ``df.attrs`` records the features asked, the block and the number of tokens ranked.
     """
-    index = hooks.block_of(layer)
+    rep = hooks.replacement(layer)  # an mxd-lens layer or a SAELens transcoder from elsewhere
+    index = rep.block
     hooks.check_fits(model, layer, index)
-    d_sae = layer.cfg.d_sae
+    d_sae = rep.d_sae
     asked = _check_features(features, d_sae, index)
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"n={n!r} must be an int >= 1: how many contexts to keep per feature")
@@ -71,12 +72,12 @@ def top_activations(
     top = _RunningTop(n_feat, n, width)
     rows_seen = n_batches = n_ranked = 0
     batches = tqdm(token_batches, desc="top activations", unit="batch", disable=not progress)
-    with torch.inference_mode(), hooks.capture_mlp_io(model, [index]) as io:
+    with torch.inference_mode(), hooks.capture_mlp_io(model, [index], resid=hooks.resid_blocks([rep])) as io:
         for tokens in batches:
             tokens = _check_batch(tokens, n_batches)
             n_rows, n_pos = tokens.shape
             model(tokens.to(model.cfg.device), stop_at_layer=index + 1)
-            values, units = layer.encode_sparse(io[index]["in"].to(layer.device))
+            values, units = rep.encode_sparse(hooks.layer_input(io, rep).to(layer.device))
             k = values.shape[-1]
             acts = _feature_acts(values.reshape(-1, k), units.reshape(-1, k), column, n_feat)
             if skip_bos:

@@ -95,11 +95,12 @@ def pooled_activations(
     One clean forward per text, up to the deepest block needed. Texts are sorted by length into
     batches (right padding never reaches a real token under causal attention) and returned in the
     given order."""
+    reps = {name: hooks.replacement(layer) for name, layer in layers.items()}  # ours or from elsewhere
     blocks: dict[str, int] = {}
-    for name, layer in layers.items():
-        index = hooks.block_of(layer)
-        hooks.check_fits(model, layer, index)
-        blocks[name] = index
+    for name, rep in reps.items():
+        hooks.check_fits(model, layers[name], rep.block)
+        blocks[name] = rep.block
+    resid = hooks.resid_blocks(list(reps.values()))
     needed = sorted(set(blocks.values()) | set(dense_layers))
     if not needed:
         raise ValueError("nothing to pool: pass layers and/or dense_layers")
@@ -125,13 +126,13 @@ def pooled_activations(
         weights = (mask / mask.sum(1, keepdim=True)).unsqueeze(-1)
         hidden: dict[int, torch.Tensor] = {}
         post = [(f"blocks.{i}.mlp.hook_post", _store(hidden, i)) for i in dense_layers] if neurons else []
-        with hooks.capture_mlp_io(model, needed) as io, model.hooks(fwd_hooks=post):
+        with hooks.capture_mlp_io(model, needed, resid=resid) as io, model.hooks(fwd_hooks=post):
             model(tokens, stop_at_layer=needed[-1] + 1)
         pooled = {}
-        for name, index in blocks.items():
+        for name, rep in reps.items():
             # the K non-zero codes only (no dense [b, p, d_sae] codes, no MxD hidden layer)
-            values, units = layers[name].encode_sparse(io[index]["in"])
-            sums = torch.zeros(len(chunk), layers[name].cfg.d_sae, dtype=values.dtype, device=values.device)
+            values, units = rep.encode_sparse(hooks.layer_input(io, rep))
+            sums = torch.zeros(len(chunk), rep.d_sae, dtype=values.dtype, device=values.device)
             sums.scatter_add_(1, units.flatten(1), (values * weights.to(values.dtype)).flatten(1))
             pooled[name] = sums
         for index in dense_layers:

@@ -106,10 +106,14 @@ def check_layer_folder(folder: str | Path) -> str | None:
     return None
 
 
-def load_layers(paths: str | Path | list[str | Path], device: str = "cpu") -> dict[str, MLPReplacement]:
+def load_layers(
+    paths: str | Path | list[str | Path], device: str = "cpu", foreign: bool = False
+) -> dict[str, Any]:
     """Layers by folder name from layer folders, or folders holding them one level down (as a
-    trainer's ``final/`` or the frontier's ``runs/*/final/``)."""
-    return {folder.name: load_layer(folder, device=device) for folder in layer_folders(paths)}
+    trainer's ``final/`` or the frontier's ``runs/*/final/``): mxd-lens's, and with ``foreign`` also
+    any other SAELens layer folder (:func:`load_any_layer`; what the studies accept)."""
+    load = load_any_layer if foreign else load_layer
+    return {folder.name: load(folder, device=device) for folder in layer_folders(paths)}
 
 
 def describe_layer(folder: str | Path) -> Any:

@@ -91,11 +91,17 @@ def load_plugins() -> list[str]:
 
 
 def architecture_key(layer: Any) -> str:
-    """The key of a layer (an instance or a class)."""
+    """The key of a layer (an instance or a class); for a SAELens layer from elsewhere (an instance),
+    ``sae_lens.<its architecture>``."""
     cls = layer if isinstance(layer, type) else type(layer)
     for key, registered in ARCHITECTURES.items():
         if registered is cls:
             return key
+    architecture = getattr(getattr(layer, "cfg", None), "architecture", None)
+    if not isinstance(layer, type) and callable(architecture):
+        # a SAELens layer from elsewhere (mxd_lens.foreign): its SAELens architecture, prefixed so that
+        # SAELens's 'transcoder' (ReLU) is not taken for ours (TopK)
+        return f"sae_lens.{architecture()}"
     raise ValueError(f"{cls.__name__} is not a registered architecture; call register_architecture first")
 
 

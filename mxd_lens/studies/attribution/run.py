@@ -32,7 +32,7 @@ def attribute_one(model: Any, options: AttributeOptions, out: Path | None) -> St
         raise ValueError("give --layers (saved layer folders to splice)")
     ids = [single_token(model, text) for text in (options.target, options.minus) if text]
     target = logit_target(*ids)
-    layers = list(load_layers(options.layers).values())
+    layers = list(load_layers(options.layers, foreign=True).values())
     with mxd_lens.splice(model, *layers, error_term=options.error_term):
         result = attribute(model, options.prompt, target)
     blocks = sorted(hooks.block_of(layer) for layer in layers)
@@ -113,8 +113,8 @@ def run(model: Any, options: AttributionOptions, out: Path | None, progress: boo
 
     by_method: dict[str, dict[int, Any]] = {}
     names: dict[tuple[str, int], str] = {}
-    for name, layer in load_layers(options.layers).items():
-        if layer.cfg.k != options.k:
+    for name, layer in load_layers(options.layers, foreign=True).items():
+        if hooks.replacement(layer).k not in (options.k, None):  # None: a JumpReLU layer from elsewhere
             continue
         method, block = architecture_key(layer), hooks.block_of(layer)
         if (method, block) in names:

@@ -15,9 +15,9 @@ def run(model: Any, options: InspectOptions, out: Path | None, progress: bool = 
     import pandas as pd
 
     from mxd_lens.analysis.inspect import contexts_title, to_html, top_contexts
-    from mxd_lens.layers.io import load_layer
+    from mxd_lens.layers.io import load_any_layer
 
-    layer, name = load_layer(options.layer), Path(options.layer).name
+    layer, name = load_any_layer(options.layer), Path(options.layer).name
     features = list(options.features)
     if options.from_steering:
         chosen = pd.read_csv(options.from_steering)

@@ -27,13 +27,14 @@ def run(model: Any, options: ProbeOptions, out: Path, task_sets: Sequence[Any] |
         progress: bool = True) -> StudyResult:  # fmt: skip
     """Probe ``options.layers`` on the suite (``task_sets`` replaces it, e.g. your own
     ``jsonl_task_set``); pooled activations are cached under ``out/pooled``."""
+    from mxd_lens import hooks
     from mxd_lens.analysis import tasks
     from mxd_lens.analysis.probing import NEURONS, layer_method, run_probing
     from mxd_lens.layers import arch_label
     from mxd_lens.layers.io import load_layers
     from mxd_lens.records import TrainingRecord
 
-    layers = load_layers(options.layers)
+    layers = load_layers(options.layers, foreign=True)
     data = options.data or tasks.bundled_data()
     if task_sets is None:
         task_sets = (
@@ -50,8 +51,9 @@ def run(model: Any, options: ProbeOptions, out: Path, task_sets: Sequence[Any] |
     )  # fmt: skip
     methods = {name: layer_method(layer) for name, layer in layers.items()}
     table["method"] = table.source.map(methods)
-    table["K"] = table.source.map({name: layer.cfg.k for name, layer in layers.items()})
-    labels = {name: f"{arch_label(methods[name])} K={layer.cfg.k}" for name, layer in layers.items()}
+    ks = {name: hooks.replacement(layer).k for name, layer in layers.items()}  # None: no K (JumpReLU)
+    table["K"] = table.source.map(ks)
+    labels = {name: arch_label(methods[name]) + (f" K={ks[name]}" if ks[name] else "") for name in layers}
     labels.update(
         {s: f"MLP neurons ({s.split('.')[-1]})" for s in table.source.unique() if s.startswith(NEURONS + ".")}
     )

@@ -26,9 +26,16 @@ def run(model: Any, options: SteerOptions, out: Path | None, progress: bool = Tr
     from mxd_lens.analysis.steering import PerplexityScorer, plot_sweep, sweep
     from mxd_lens.layers.io import load_layers
 
-    layers = {name: layer for name, layer in load_layers(options.layers).items() if layer.cfg.k == options.k}
+    from mxd_lens import hooks
+
+    # layers at this K, and layers from elsewhere that have none (JumpReLU transcoders)
+    layers = {
+        name: layer
+        for name, layer in load_layers(options.layers, foreign=True).items()
+        if hooks.replacement(layer).k in (options.k, None)
+    }
     if not layers:
-        raise ValueError(f"no layer with K={options.k} under {options.layers}")
+        raise ValueError(f"no layer with K={options.k} (or without a K) under {options.layers}")
     if options.probing is None and out is None:
         raise ValueError("give the pooled-activation cache to reuse (probing) or an output folder for it")
     store = PooledCache(options.probing or Path(out) / "pooled")
