@@ -261,3 +261,49 @@ def _hooks_off(sae: Any) -> Iterator[None]:
     finally:
         for name, hook in saved.items():
             setattr(sae, name, hook)
+
+
+def from_pretrained(name: str, device: str = "cpu") -> Any:
+    """A published SAELens layer named ``RELEASE/ID`` (the release as SAELens's pretrained_saes.yaml names
+    it, then the layer's id, which may hold slashes: ``gemma-scope-2-270m-pt-transcoders/
+    transcoder/layer_9_width_16k_l0_small_affine``), loaded by ``SAE.from_pretrained`` through SAELens's
+    own converter. Works offline from a local Hugging Face cache (``HF_HUB_OFFLINE=1``): SAELens 6.54's
+    Gemma Scope 2 converter reads the weights' shapes with an HTTP range request even when the file is
+    cached, so when that request cannot be made the shapes are read from the cached file's header instead.
+    A clear error for a name without a slash or a release SAELens does not list."""
+    from sae_lens.loading import pretrained_sae_loaders as loaders
+    from sae_lens.loading.pretrained_saes_directory import get_pretrained_saes_directory
+
+    release, _, sae_id = str(name).partition("/")
+    if not release or not sae_id:
+        raise ValueError(
+            f"{name!r}: give RELEASE/ID, e.g. gemma-scope-2-270m-pt-transcoders/transcoder/layer_9_width_16k_l0_small_affine"
+        )
+    directory = get_pretrained_saes_directory()
+    if release not in directory:
+        near = sorted(r for r in directory if release.split("-")[0] in r)[:8]
+        raise ValueError(
+            f"{release!r} is not a release SAELens lists (sae_lens/pretrained_saes.yaml)"
+            + (f"; releases like it: {near}" if near else "")
+        )
+    online = loaders.get_safetensors_tensor_shapes
+
+    def shapes(repo_id: str, filename: str) -> dict[str, list[int]]:
+        from huggingface_hub import constants, hf_hub_download
+
+        if not constants.HF_HUB_OFFLINE:
+            try:
+                return online(repo_id, filename)
+            except OSError:  # no network (requests' ConnectionError is an OSError): the cache may hold it
+                pass
+        from safetensors import safe_open
+
+        path = hf_hub_download(repo_id, filename)  # the cached copy offline; a clear hub error if absent
+        with safe_open(path, framework="pt") as f:
+            return {key: list(f.get_slice(key).get_shape()) for key in f.keys()}  # noqa: SIM118
+
+    loaders.get_safetensors_tensor_shapes = shapes
+    try:
+        return SAE.from_pretrained(release, sae_id, device=device)
+    finally:
+        loaders.get_safetensors_tensor_shapes = online

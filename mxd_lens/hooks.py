@@ -225,7 +225,9 @@ class OurLayer:
         zero = torch.zeros(x2.shape[0], layer.cfg.d_out, dtype=layer.W_dec.dtype, device=x2.device)
         rest = layer._output(zero, context)
         rows = layer.W_dec[indices] * values[..., None]  # a_n W_dec[n], [T, K, d_out]
-        vectors = torch.stack([layer._output(rows[:, j], context) - rest for j in range(rows.shape[1])], dim=1)
+        vectors = torch.stack(
+            [layer._output(rows[:, j], context) - rest for j in range(rows.shape[1])], dim=1
+        )
         return indices, values, vectors, rest
 
 

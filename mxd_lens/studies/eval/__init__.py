@@ -19,6 +19,10 @@ class EvalOptions:
     """layer folders, or folders holding them (a trainer's final/, the frontier's runs/*/final); a folder
     of another SAELens architecture (a transcoder trained elsewhere) loads with SAE.load_from_disk"""
 
+    compare: list[str] = field(default_factory=list)
+    """published SAELens layers to evaluate beside them on the same batches, each RELEASE/ID as
+    SAE.from_pretrained takes it (e.g. gemma-scope-2-270m-pt-transcoders/transcoder/layer_9_width_16k_l0_small_affine;
+    from the hub, or offline from its local cache); they are printed, not recorded"""
     text: str | None = None
     """held-out text: the 'eval' side of this text's document split (default: the text the layers were
     trained on, with their split, else the bundled English text)"""

@@ -107,6 +107,12 @@ def evaluate_saved(model: Any, config: EvalOptions, progress: bool = True) -> li
         raise ValueError(f"--eval-tokens {config.eval_tokens}: evaluate at least one row of tokens")
     paths = layer_folders(config.layers)
     layers = {path.name: load_any_layer(path) for path in paths}
+    for name in config.compare:  # published layers, on the same batches (their rows are not recorded)
+        from mxd_lens.foreign import from_pretrained
+
+        if name in layers:
+            raise ValueError(f"--compare {name}: a layer folder has that name too")
+        layers[name] = from_pretrained(name)
     for name, layer in layers.items():  # before reading any text: each layer fits this model
         try:
             hooks.check_fits(model, layer, hooks.block_of(layer))
@@ -160,7 +166,7 @@ def evaluate_saved(model: Any, config: EvalOptions, progress: bool = True) -> li
     rows = evaluate(model, layers, batches, skip_positions=config.skip_positions, progress=progress)
     if config.write:
         try:
-            _record_evaluations(paths, rows, eval_info, config, model)
+            _record_evaluations(paths, rows[: len(paths)], eval_info, config, model)
         except OSError as err:
             raise EvaluationNotRecorded(rows, err) from err
     return rows

@@ -21,12 +21,11 @@ log = logging.getLogger(__name__)
 def run(model: Any, options: SteerOptions, out: Path | None, progress: bool = True) -> StudyResult:
     import json
 
+    from mxd_lens import hooks
     from mxd_lens.analysis.inspect import contexts_title, to_html, top_contexts
     from mxd_lens.analysis.probing import PooledCache
     from mxd_lens.analysis.steering import PerplexityScorer, plot_sweep, sweep
     from mxd_lens.layers.io import load_layers
-
-    from mxd_lens import hooks
 
     # layers at this K, and layers from elsewhere that have none (JumpReLU transcoders)
     layers = {
