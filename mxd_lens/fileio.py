@@ -36,6 +36,11 @@ def atomic_write_text(path: str | Path, text: str) -> None:
     atomic_write(path, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
 
 
+def atomic_write_bytes(path: str | Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` atomically, as :func:`atomic_write` does."""
+    atomic_write(path, lambda tmp: Path(tmp).write_bytes(data))
+
+
 def _umask() -> int:
     # The process umask can only be read by setting it; set it back at once.
     umask = os.umask(0)

@@ -351,4 +351,5 @@ _MISMATCH = {
     "config": "was trained with other settings",
     "learners": "trained other learners",
     "data": "was trained on other data than this run streams",
+    "ci_version": "was written by another version of the SPD CI functions (mxd_lens.spd.ci.CI_VERSION)",
 }

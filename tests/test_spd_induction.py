@@ -331,6 +331,11 @@ def test_induction_spd_study_train_report_summary(tmp_path):
         SPDInductionOptions(variant="token-stoch", steps=6, batch_size=4), tmp_path
     )
     assert report["training"]["steps"] == 6 and (tmp_path / "token-stoch/ci_by_position.png").is_file()
+    from mxd_lens.spd.report import adversarial_table
+
+    adv = report["adversarial"]  # the PGD masks find a KL at least the stochastic draw's
+    assert adv["adversarial"]["all"]["kl_all"] >= adv["stochastic"]["all"]["kl_all"]
+    assert "all modules" in adversarial_table(report) and "Q0" in adversarial_table(report)
     table = study_lib.summarize_variants(tmp_path)
     assert "token-stoch" in table and json.loads((tmp_path / "summary.json").read_text())["token-stoch"]
     with pytest.raises(ValueError, match="was trained on"):
@@ -438,3 +443,76 @@ def test_the_model_verb_options_are_the_trainers_keyword_arguments_with_its_defa
             continue
         assert option.name in signature, option.name
         assert signature[option.name].default == option.default, option.name
+
+
+def test_a_run_kept_in_a_folder_resumes_bit_exactly_on_a_fresh_machine(tmp_path):
+    """Train 3 of 6 steps keeping the state in a folder; copy only that folder to a new place (what a
+    fresh clone of the repository holds: no results/, no model where the run recorded it), resume to 6:
+    the decomposition, the optimiser and the mask generator equal an unbroken 6-step run's exactly."""
+    import json
+    import shutil
+
+    from mxd_lens.loop import ResumeMismatch
+    from mxd_lens.spd.induction import train_induction_model
+    from mxd_lens.studies.spd_induction import SPDInductionOptions
+    from mxd_lens.studies.spd_induction import run as study_lib
+
+    train_induction_model(
+        tmp_path / "model", steps=5, batch_size=32, eval_every=5, eval_size=64, progress=False
+    )
+    model = tmp_path / "model" / "model.pt"
+    small = dict(variant="ref-token-subset", steps=6, batch_size=4, C=4, ci_hidden=4, model=str(model))
+    name = SPDInductionOptions(**small).name
+    study_lib.train_variant(SPDInductionOptions(**small), tmp_path / "unbroken", progress=False)
+
+    kept = tmp_path / "repo" / "docs" / "kept"
+    first = study_lib.train_variant(
+        SPDInductionOptions(**small, until=3, trend_every=2, keep_in=str(kept)),
+        tmp_path / "machine1",
+        progress=False,
+    )
+    assert (first["from_step"], first["to_step"]) == (0, 3)
+    assert json.loads((kept / "checkpoint" / "trainer_state.json").read_text())["step"] == 3
+    assert {"run_config.json", "metrics.json", "trend.jsonl", "train_log.jsonl", "model.pt"} <= {
+        p.name for p in kept.iterdir()
+    }
+    clone = tmp_path / "clone" / "docs" / "kept"
+    shutil.copytree(kept, clone)  # only what was kept travels
+    shutil.rmtree(tmp_path / "machine1")
+    model.rename(tmp_path / "elsewhere.pt")  # the recorded model path no longer exists
+    fresh = SPDInductionOptions(**{**small, "model": None}, trend_every=2, keep_in=str(clone))
+    second = study_lib.train_variant(fresh, tmp_path / "machine2", progress=False)
+    assert (second["from_step"], second["to_step"]) == (3, 6)
+    states = [torch.load(root / name / "checkpoints" / "step_000000006" / "state.pt", weights_only=True)
+              for root in (tmp_path / "unbroken", tmp_path / "machine2")]  # fmt: skip
+    for part in ("decomposition",):
+        for key, value in states[0][part].items():
+            assert torch.equal(value, states[1][part][key]), key
+    assert torch.equal(states[0]["generator"], states[1]["generator"])
+    for a, b in zip(
+        states[0]["optimizer"]["state"].values(), states[1]["optimizer"]["state"].values(), strict=True
+    ):
+        assert all(torch.equal(a[k], b[k]) for k in a)
+    assert json.loads((clone / "checkpoint" / "trainer_state.json").read_text())["step"] == 6
+    runs = [json.loads(line) for line in (clone / "train_log.jsonl").read_text().splitlines()]
+    assert [(r["from_step"], r["to_step"]) for r in runs] == [(0, 3), (3, 6)]
+
+    # a kept state of another configuration is refused, naming what differs
+    other = SPDInductionOptions(**{**small, "model": None, "C": 4}, minimality=0.5, keep_in=str(clone))
+    with pytest.raises(ResumeMismatch, match="minimality"):
+        study_lib.train_variant(other, tmp_path / "machine3", progress=False)
+    # and so is one written by another version of the CI functions
+    import mxd_lens.spd.ci
+
+    original = mxd_lens.spd.ci.CI_VERSION
+    mxd_lens.spd.ci.CI_VERSION = original + 1
+    try:
+        with pytest.raises(ResumeMismatch, match="another version of the SPD CI functions"):
+            study_lib.train_variant(
+                SPDInductionOptions(**{**small, "model": None, "steps": 8}, keep_in=str(clone)), tmp_path / "machine4",
+                progress=False,
+            )  # fmt: skip
+    finally:
+        mxd_lens.spd.ci.CI_VERSION = original
+    with pytest.raises(ValueError, match="--until 9"):
+        study_lib.train_variant(SPDInductionOptions(**small, until=9), tmp_path / "machine5", progress=False)

@@ -18,6 +18,10 @@ import torch.nn.functional as F
 from torch import nn
 
 LEAK = 0.01
+CI_VERSION = 1
+"""The version of what the CI functions compute. Bump it when a change makes the same parameters give
+other outputs (not for exact speed-ups): checkpoints record it, and one written by another version is
+refused on resume, naming both."""
 
 
 class LowerLeakyHardSigmoid(torch.autograd.Function):

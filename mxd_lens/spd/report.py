@@ -599,6 +599,25 @@ def module_table(report: dict[str, Any]) -> str:
     return _markdown(head, rows)
 
 
+def adversarial_table(report: dict[str, Any]) -> str:
+    """Accuracy and KL at the final position (and KL over all positions) under stochastic, adversarial
+    (PGD) and CI masks, every module replaced and each alone (``report["adversarial"]``)."""
+    adv = report["adversarial"]
+    kinds = ("stochastic", "adversarial", "ci_masked")
+    head = ["replaced", *[f"{kind}: acc / KL last / KL all" for kind in kinds]]
+
+    def cells(row: dict[str, float]) -> str:
+        return f"{row['accuracy']:.3f} / {row['kl_last']:.3g} / {row['kl_all']:.3g}"
+
+    rows = [["all modules", *[cells(adv[kind]["all"]) for kind in kinds]]]
+    for name in adv["stochastic"]["per_module"]:
+        rows.append([short_name(name), *[cells(adv[kind]["per_module"][name]) for kind in kinds]])
+    pgd = adv["pgd"]
+    note = (f"PGD: {pgd['n_steps']} steps of {pgd['step_size']:g}, {pgd['init']} start, ascending KL over "
+            f"{pgd['positions']} positions")  # fmt: skip
+    return _markdown(head, rows) + "\n\n" + note
+
+
 def _diagnostic_cells(diagnostics: dict[str, Any], name: str) -> list[str]:
     ranks = diagnostics.get("rank_replacement", {}).get(name)
     carrying = diagnostics.get("components_carrying_90", {}).get(name)

@@ -339,7 +339,13 @@ class SPDTrainer(TrainingLoop):
         return _FREE
 
     def identity(self) -> dict[str, Any]:
-        return {"config": asdict(self.config), "decomposition": self.decomposition.config()}
+        from mxd_lens.spd.ci import CI_VERSION
+
+        return {
+            "config": asdict(self.config),
+            "decomposition": self.decomposition.config(),
+            "ci_version": CI_VERSION,  # what the CI computes: another version's checkpoint is refused
+        }
 
     def read_identity(self, folder: Path) -> dict[str, Any]:
         saved = super().read_identity(folder)
@@ -348,6 +354,7 @@ class SPDTrainer(TrainingLoop):
                  "faithfulness_warmup_lr", "faithfulness_warmup_weight_decay")  # fmt: skip
         defaults = asdict(SPDConfig())
         saved["config"] = {**{k: defaults[k] for k in since}, **saved.get("config", {})}
+        saved.setdefault("ci_version", 1)  # written before the version was recorded: the first
         return saved
 
     def write_state(self, folder: Path) -> None:

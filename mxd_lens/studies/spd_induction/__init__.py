@@ -40,6 +40,18 @@ class SPDInductionOptions:
     trend_every: int = 0
     """train in chunks of this many steps and after each record CI-L0 per module and position on a
     128-sequence batch in OUT/NAME/trend.jsonl (+ trend.png); 0: no trend"""
+    until: int = 0
+    """train: stop this sitting at this step (0: at --steps); the schedules still span --steps, so
+    sittings of any length make one run"""
+    keep_in: str | None = None
+    """train: a folder, e.g. in the repository (docs/results/spd/NAME), that keeps the run's resumable
+    state: after every --trend-every chunk and at the end of a sitting the latest checkpoint, the model,
+    run_config.json, metrics.json, trend.jsonl and train_log.jsonl are copied there (replacing the last
+    copy; a few MB for the toy). A run whose folder has no checkpoint resumes from it (a fresh clone):
+    commit the folder and the run outlives the machine"""
+    pgd_steps: int = 20
+    """report: steps of the adversarial (PGD) mask search whose KL and accuracy are reported next to the
+    stochastic masks' (mxd_lens.spd.adversarial; 0: none)"""
     action: Literal["time", "train", "report", "summary"] = field(
         default="train", metadata={"positional": True}
     )

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -33,7 +34,7 @@ from typing import Any
 
 import torch
 
-from mxd_lens.fileio import atomic_write_text
+from mxd_lens.fileio import atomic_write_bytes, atomic_write_text
 from mxd_lens.spd.induction import InductionTask, load_induction_model
 from mxd_lens.spd.report import comparison_table, module_table, plot_ci_by_position, study_report
 from mxd_lens.spd.sites import decomposable_weights
@@ -155,32 +156,59 @@ def build_trainer(
 
 
 def train_variant(study: SPDInductionOptions, root: str | Path, progress: bool = True) -> dict[str, Any]:
-    """Train (or resume) ``study`` under ROOT/NAME; appends this run's wall/CPU time to train_log.jsonl
-    and returns that record."""
+    """Train (or resume) ``study`` under ROOT/NAME, to ``study.until`` (when given) or ``study.steps``;
+    appends this sitting's wall/CPU time to train_log.jsonl and returns that record. With
+    ``study.keep_in`` the run resumes from the state kept there when it is newer than its own
+    checkpoints (a fresh clone has none), and keeps its state there after every chunk (:func:`keep_state`)."""
     root = Path(root)
     out = root / study.name
+    keep = Path(study.keep_in) if study.keep_in else None
+    if keep is not None:
+        restore_kept(keep, out)
     run_config = out / "run_config.json"
     if run_config.is_file():
         saved = json.loads(run_config.read_text())
         model_path = Path(saved["model"])
         if study.model and Path(study.model) != model_path:
             raise ValueError(f"{out} was trained on {model_path}; refusing {study.model}")
+        if not model_path.is_file() and keep is not None and (keep / "model.pt").is_file():
+            model_path = keep / "model.pt"  # a fresh clone: the model the run kept beside its state
+        recorded = saved.get("model_sha256")
+        if recorded and model_path.is_file() and file_sha256(model_path) != recorded:
+            raise ValueError(
+                f"{model_path} is not the model {out} was trained on (sha256 {file_sha256(model_path)[:12]}, "
+                f"recorded {recorded[:12]}): give the run's own model, or train into another folder"
+            )
     else:
         model_path = Path(study.model) if study.model else choose_model(root)
     config = study.config()
+    if study.until < 0 or study.until > config.steps:
+        raise ValueError(
+            f"--until {study.until}: give a step in 1..--steps ({config.steps}), or 0 for --steps"
+        )
     out.mkdir(parents=True, exist_ok=True)
+    record_model = {"model": str(model_path)}
+    if model_path.is_file():
+        record_model["model_sha256"] = file_sha256(model_path)
     atomic_write_text(
         run_config,
-        json.dumps({"variant": study.variant, "model": str(model_path), "config": asdict(config)}, indent=1),
+        json.dumps({"variant": study.variant, **record_model, "config": asdict(config)}, indent=1),
     )
     _, trainer = build_trainer(out, model_path, config, progress, study.device)
     trainer.load_checkpoint()
+    stop = study.until or config.steps
     start_step, started, cpu_started = trainer.step, time.perf_counter(), time.process_time()
-    log.info("%s: model %s, from step %d to %d", out.name, model_path, start_step, config.steps)
+    log.info("%s: model %s, from step %d to %d of %d", out.name, model_path, start_step, stop, config.steps)
+
+    def kept() -> None:
+        if keep is not None:
+            keep_state(out, keep, model_path)
+
     if study.trend_every:
-        _train_with_trend(trainer, study, out)
-    else:
-        trainer.fit()
+        _train_with_trend(trainer, study, out, stop, after_chunk=kept)
+    elif trainer.step < stop:
+        trainer.total_steps = stop
+        trainer.fit(resume=True)
     record = {
         "from_step": start_step,
         "to_step": trainer.step,
@@ -190,27 +218,116 @@ def train_variant(study: SPDInductionOptions, root: str | Path, progress: bool =
     }
     with (out / "train_log.jsonl").open("a") as f:
         f.write(json.dumps(record) + "\n")
+    kept()
     return record
+
+
+# What keep_state copies beside the checkpoint (those that exist).
+KEPT_FILES = ("run_config.json", "metrics.json", "trend.jsonl", "trend.png", "train_log.jsonl",
+              "faithfulness_warmup.json")  # fmt: skip
+
+
+def file_sha256(path: str | Path) -> str:
+    import hashlib
+
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def keep_state(out: Path, keep: Path, model_path: Path) -> Path | None:
+    """Copy run ``out``'s latest checkpoint into ``keep``/checkpoint (replacing the last copy: a new
+    folder renamed into place, so a crash leaves the old copy or the new one, never a mix), its
+    ``KEPT_FILES`` and, once, the model it decomposes (``keep``/model.pt). Returns the checkpoint copied
+    (None: the run has none yet). Other files in ``keep`` are left alone."""
+    import shutil
+
+    from mxd_lens.checkpoints import latest_checkpoint
+
+    latest = latest_checkpoint(out / "checkpoints", "state.pt")
+    if latest is None:
+        return None
+    keep.mkdir(parents=True, exist_ok=True)
+    fresh, old = keep / ".checkpoint.new", keep / ".checkpoint.old"
+    for leftover in (fresh, old):
+        shutil.rmtree(leftover, ignore_errors=True)
+    shutil.copytree(latest, fresh)
+    target = keep / "checkpoint"
+    if target.exists():
+        os.replace(target, old)
+    os.replace(fresh, target)
+    shutil.rmtree(old, ignore_errors=True)
+    for name in KEPT_FILES:
+        if (out / name).is_file():
+            atomic_write_bytes(keep / name, (out / name).read_bytes())
+    model_copy = keep / "model.pt"
+    if model_path.is_file() and model_path.resolve() != model_copy.resolve():
+        if not model_copy.is_file() or file_sha256(model_copy) != file_sha256(model_path):
+            atomic_write_bytes(model_copy, model_path.read_bytes())
+    return latest
+
+
+def restore_kept(keep: Path, out: Path) -> Path | None:
+    """Install the state kept in ``keep`` (see :func:`keep_state`) as run ``out``'s newest checkpoint when
+    ``out`` has none or only older ones; copies the kept files ``out`` lacks (all of them when the kept
+    state is newer). Returns the checkpoint folder made (None: nothing kept, or ``out`` is as new)."""
+    import shutil
+
+    kept = keep / "checkpoint"
+    if not (kept / "state.pt").is_file():
+        if keep.exists() and any(keep.iterdir()):
+            log.info("%s holds no kept checkpoint yet", keep)
+        return None
+    kept_step = int(json.loads((kept / "trainer_state.json").read_text())["step"])
+    checkpoints = out / "checkpoints"
+    from mxd_lens.checkpoints import latest_checkpoint
+
+    local = latest_checkpoint(checkpoints, "state.pt")
+    local_step = int(json.loads((local / "trainer_state.json").read_text())["step"]) if local else -1
+    if local_step >= kept_step:
+        return None
+    folder = checkpoints / f"step_{kept_step:09d}"
+    checkpoints.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(folder, ignore_errors=True)
+    shutil.copytree(kept, folder)
+    atomic_write_text(checkpoints / "latest", folder.name)
+    for name in KEPT_FILES:
+        if (keep / name).is_file():
+            atomic_write_bytes(out / name, (keep / name).read_bytes())
+    log.info("%s: resuming from the state kept in %s (step %d; this folder's newest: %d)",
+             out, keep, kept_step, max(local_step, 0))  # fmt: skip
+    return folder
 
 
 TREND_SEED, TREND_SIZE = 5_555_555, 128
 
 
-def _train_with_trend(trainer: SPDTrainer, study: SPDInductionOptions, out: Path) -> None:
-    """Train to each multiple of ``trend_every`` (the schedules still span ``config.steps``; every chunk
-    ends on a checkpoint, so this is the same run as one ``fit``), appending a ``trend_point`` after each."""
+def _train_with_trend(
+    trainer: SPDTrainer,
+    study: SPDInductionOptions,
+    out: Path,
+    stop: int | None = None,
+    after_chunk: Any = None,
+) -> None:
+    """Train to each multiple of ``trend_every`` up to ``stop`` (default ``config.steps``; the schedules
+    still span ``config.steps``; every chunk ends on a checkpoint, so this is the same run as one
+    ``fit``), appending a ``trend_point`` after each, then calling ``after_chunk()``."""
     from mxd_lens.spd.report import plot_trend, trend_point
 
     path = out / "trend.jsonl"
     points = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
     points = [p for p in points if p["step"] <= trainer.step]  # a killed chunk's later points go
     batch = InductionTask().sample_batch(TREND_SIZE, torch.Generator().manual_seed(TREND_SEED))
-    total = trainer.config.steps
+    total = trainer.config.steps if stop is None else stop
     while True:
         if not points or points[-1]["step"] < trainer.step:
             points.append({"step": trainer.step, **trend_point(trainer.decomposition, batch)})
             atomic_write_text(path, "".join(json.dumps(p) + "\n" for p in points))
             plot_trend(points, out / "trend.png", title=f"{study.name}: {TITLES[study.variant]}")
+            if after_chunk is not None:
+                after_chunk()
         if trainer.step >= total:
             return
         trainer.total_steps = min(total, (trainer.step // study.trend_every + 1) * study.trend_every)
@@ -263,6 +380,13 @@ def report_variant(study: SPDInductionOptions, root: str | Path) -> dict[str, An
         "final_metrics": trainer.history[-1] if trainer.history else {},
         "config": saved["config"],
     }
+    if study.pgd_steps:
+        from mxd_lens.spd.adversarial import adversarial_metrics
+
+        report["adversarial"] = adversarial_metrics(
+            trainer.decomposition, batch.tokens, batch.labels, n_steps=study.pgd_steps,
+            positions=config.positions, seed=1,
+        )  # fmt: skip
     report["report_s"] = time.perf_counter() - started
     atomic_write_text(out / "report.json", json.dumps(report, indent=1))
     plot_ci_by_position(
@@ -325,8 +449,13 @@ def run(model: Any, options: SPDInductionOptions, out: Path) -> StudyResult:
     elif options.action == "train":
         text = json.dumps(train_variant(options, out, progress=False))
     elif options.action == "report":
+        from mxd_lens.spd.report import adversarial_table
+
         report = report_variant(options, out)
-        text = json.dumps({k: v for k, v in report.items() if k not in ("modules", "training")}, indent=1)
+        hidden = ("modules", "training", "adversarial")
+        text = json.dumps({k: v for k, v in report.items() if k not in hidden}, indent=1)
+        if "adversarial" in report:
+            text += "\n\n" + adversarial_table(report)
         text += f"\nwrote {out}/{options.name}/report.json and ci_by_position.png"
     else:
         text = summarize_variants(out) + f"\nwrote {out}/summary.json, comparison.md, modules.md"
