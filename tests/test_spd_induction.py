@@ -473,7 +473,7 @@ def test_a_run_kept_in_a_folder_resumes_bit_exactly_on_a_fresh_machine(tmp_path)
     )
     assert (first["from_step"], first["to_step"]) == (0, 3)
     assert json.loads((kept / "checkpoint" / "trainer_state.json").read_text())["step"] == 3
-    assert {"run_config.json", "metrics.json", "trend.jsonl", "train_log.jsonl", "model.pt"} <= {
+    assert {"run_config.json", "trend.jsonl", "train_log.jsonl", "model.pt"} <= {
         p.name for p in kept.iterdir()
     }
     clone = tmp_path / "clone" / "docs" / "kept"

@@ -222,9 +222,9 @@ def train_variant(study: SPDInductionOptions, root: str | Path, progress: bool =
     return record
 
 
-# What keep_state copies beside the checkpoint (those that exist).
-KEPT_FILES = ("run_config.json", "metrics.json", "trend.jsonl", "trend.png", "train_log.jsonl",
-              "faithfulness_warmup.json")  # fmt: skip
+# What keep_state copies beside the checkpoint (those that exist). Not metrics.json: the checkpoint holds
+# the same history, and the trainer writes metrics.json from it again.
+KEPT_FILES = ("run_config.json", "trend.jsonl", "trend.png", "train_log.jsonl", "faithfulness_warmup.json")
 
 
 def file_sha256(path: str | Path) -> str:
