@@ -1,6 +1,10 @@
 """(MLP input, MLP output) pairs at several transformer blocks from one model forward, an on-disk cache
 of them, and the shuffled batches a trainer consumes.
 
+The output is what the layers trained on the stream will write (``StreamInfo.hook_names``, copied into
+each layer's metadata): ``hook_mlp_out``, or on hosts whose blocks normalise the MLP's output
+(Gemma-2/3, OLMo-2/3) the MLP module's own output, ``blocks.L.mlp.hook_out`` (``mxd_lens.hooks``).
+
 The stream is cut into **shards**: a fixed number (``rows_per_shard``) of token rows whose activations
 are computed together (one model forward per ``rows_per_forward`` rows, stopping after the last block
 needed). An on-disk cache stores each shard as one safetensors file, ``shard_000000.safetensors`` on (a
@@ -46,6 +50,7 @@ from tqdm.auto import tqdm
 from mxd_lens import hooks
 from mxd_lens.config import StreamConfig  # noqa: F401 (re-exported: it configures this module's stream)
 from mxd_lens.fileio import _umask, atomic_write, atomic_write_text, file_digest
+from mxd_lens.hooks import Writes
 
 MANIFEST = "manifest.json"
 SHARDS = (
@@ -81,7 +86,15 @@ class StreamInfo:
     d_hidden: int = 0
     activation: str = "relu"
     gated: bool = False
-    hook_names: dict[str, list[str]] = field(default_factory=dict)
+    hook_names: dict[str, list[str]] = field(default_factory=dict)  # block -> [read hook, write hook]
+
+    def writes(self, block: int) -> Writes:
+        """Where a layer trained on block ``block``'s targets writes (``hooks.Writes``): what its
+        recorded output hook names; ``hook_mlp_out`` for a stream that records none (the only site
+        before the MLP module's output was one)."""
+        names = self.hook_names.get(str(block))
+        parsed = hooks.parse_out_hook(names[1]) if names and len(names) > 1 else None
+        return parsed[1] if parsed else "hook_mlp_out"
 
     @classmethod
     def from_dict(cls, saved: dict[str, Any]) -> StreamInfo:
@@ -112,11 +125,14 @@ Shard = dict[int, tuple[torch.Tensor, torch.Tensor]]  # block -> (x [n, d_in], y
 
 
 class ModelActivations:
-    """Shards of (MLP input, hook_mlp_out) at ``blocks``, computed by running ``model`` on token rows.
+    """Shards of (MLP input, MLP output) at ``blocks``, computed by running ``model`` on token rows.
 
     ``rows`` is a zero-argument callable returning a fresh, deterministic iterator of [context_size]
     token rows (so a resumed run can start again and skip). ``drop_first_position`` drops position 0
     of every row (the BOS token, whose MLP output is an outlier that a replacement need not learn).
+    ``writes`` is where the layers trained on it will write, so which output is the target:
+    "hook_mlp_out" or "mlp" (the MLP module's own output); by default the MLP module on hosts whose
+    blocks normalise the MLP output (Gemma-2/3, OLMo-2/3), else hook_mlp_out (``hooks.default_writes``).
     """
 
     def __init__(
@@ -128,6 +144,7 @@ class ModelActivations:
         rows_per_shard: int = StreamConfig.rows_per_shard,
         rows_per_forward: int = StreamConfig.rows_per_forward,
         drop_first_position: bool = True,
+        writes: Writes | None = None,
     ):
         if not blocks:
             raise ValueError("ModelActivations needs at least one block")
@@ -142,6 +159,8 @@ class ModelActivations:
                 f"rows_per_shard={rows_per_shard} and rows_per_forward={rows_per_forward} must be positive"
             )
         self.model, self.blocks, self.rows = model, sorted(set(blocks)), rows
+        self.writes: Writes = hooks.default_writes(model) if writes is None else writes
+        hooks.out_hook(0, self.writes)  # a clear error for another value
         self.text_info: dict[str, Any] | None = None  # set by from_text: where the rows come from
         from mxd_lens.models import model_source
 
@@ -158,7 +177,7 @@ class ModelActivations:
             d_hidden=model.cfg.d_mlp,
             activation=model.cfg.act_fn,
             gated=bool(model.cfg.gated_mlp),
-            hook_names={str(L): [hooks.mlp_in_hook(L), hooks.mlp_out_hook(L)] for L in self.blocks},
+            hook_names={str(L): [hooks.mlp_in_hook(L), hooks.out_hook(L, self.writes)] for L in self.blocks},
         )
 
     @classmethod
@@ -224,12 +243,14 @@ class ModelActivations:
             raise ValueError(
                 f"token rows have length {tokens.shape[-1]}, expected context_size={self.info.context_size}"
             )
-        with hooks.capture_mlp_io(self.model, self.blocks) as io:
+        module_out = self.blocks if self.writes == "mlp" else ()
+        with hooks.capture_mlp_io(self.model, self.blocks, module_out=module_out) as io:
             self.model(tokens.to(self.model.cfg.device), stop_at_layer=self.blocks[-1] + 1)
         start = int(self.info.drop_first_position)
+        target = hooks.output_key(self.writes)
         out: Shard = {}
         for block in self.blocks:
-            x, y = (io[block][key][:, start:].reshape(-1, io[block][key].shape[-1]) for key in ("in", "out"))
+            x, y = (io[block][key][:, start:].reshape(-1, io[block][key].shape[-1]) for key in ("in", target))
             out[block] = (x.float().cpu(), y.float().cpu())
         return out
 
@@ -456,9 +477,21 @@ def write_cache(
             if "model" not in existing:  # written before the model's source was recorded: not a difference
                 manifest.pop("model")
             if _comparable(existing) != _comparable(manifest):
+                there, asked = existing["stream"].get("hook_names") or {}, manifest["stream"]["hook_names"]
+                moved = sorted(
+                    f"{there[b][-1]} there, {asked[b][-1]} asked"
+                    for b in there.keys() & asked.keys()
+                    if there[b][-1:] != asked[b][-1:]
+                )
+                why = (
+                    f"its targets are another output of the MLP ({'; '.join(moved)}: on Gemma-2/3 and "
+                    "OLMo-2/3 layers now replace the MLP module, blocks.L.mlp.hook_out, see mxd_lens.hooks); "
+                    if moved
+                    else ""
+                )
                 raise ValueError(
                     f"{path} already holds a cache made with different settings:\n  there: {existing}\n  asked: {manifest}\n"
-                    "write to a new folder, or delete this one"
+                    f"{why}write to a new folder, or delete this one"
                 )
         else:
             _write_records(path, {})

@@ -15,6 +15,12 @@ biases, b_U). Each source's attribution is source · ∂target/∂source in the 
 to the target exactly (``Attribution.completeness``). A spliced block's output is split further into
 its units' e_{t,n} · g_t, its ``rest`` and the error term (what the splice writes minus the layer's
 own output: the error term itself with ``splice(..., error_term=True)``, else zero).
+
+A layer that replaces the MLP module (``metadata.hook_name_out = blocks.L.mlp.hook_out``: Gemma-2/3 and
+OLMo-2/3, whose blocks normalise the MLP output before ``hook_mlp_out``, ``mxd_lens.hooks``) is split
+where it writes: its block's node is the MLP module's output, and the post-MLP norm after it, its scale
+frozen, is affine, so the target stays affine in every source and the parts still sum to it;
+``Attribution.frozen`` holds that node under ``blocks.L.mlp.hook_out``.
 """
 
 from __future__ import annotations
@@ -147,7 +153,15 @@ def attribute(model: Any, tokens: Any, target: Callable[[torch.Tensor], torch.Te
     wanted = lambda name: freeze_names(name) or name in mlp_out  # noqa: E731
     reps = {block: hooks.replacement(layer) for block, layer in spliced.items()}
     resid = hooks.resid_blocks(list(reps.values()))
-    with torch.no_grad(), hooks.capture_mlp_io(model, sorted(spliced), resid=resid) as io:
+    # each block's node: hook_mlp_out, or the MLP module's output for a layer that writes there
+    at_module = sorted(b for b, rep in reps.items() if rep.writes == "mlp")
+    node = {
+        b: hooks.out_hook(b, "mlp" if b in at_module else "hook_mlp_out") for b in range(model.cfg.n_layers)
+    }
+    with (
+        torch.no_grad(),
+        hooks.capture_mlp_io(model, sorted(spliced), resid=resid, module_out=at_module) as io,
+    ):
         _, cache = model.run_with_cache(tokens, names_filter=wanted)
 
     leaves: dict[str, torch.Tensor] = {}
@@ -162,10 +176,11 @@ def attribute(model: Any, tokens: Any, target: Callable[[torch.Tensor], torch.Te
 
     fwd_hooks = [
         (freeze_names, freeze),
-        (lambda name: name in mlp_out or name in ("hook_embed", "hook_pos_embed"), leaf),
+        (lambda name: name in node.values() or name in ("hook_embed", "hook_pos_embed"), leaf),
     ]
+    module_leaves = {(b, "mlp"): _module_leaf(io[b]["module_out"], node[b], leaves) for b in at_module}
     biases = {name: p for name, p in model.named_parameters() if name.split(".")[-1] in _BIAS_NAMES}
-    with torch.enable_grad():
+    with torch.enable_grad(), hooks.replacing_outputs(model, module_leaves):
         logits = model.run_with_hooks(tokens, fwd_hooks=fwd_hooks)
         value = target(logits)
         if value.numel() != 1:
@@ -188,7 +203,7 @@ def attribute(model: Any, tokens: Any, target: Callable[[torch.Tensor], torch.Te
             parts += [{"kind": name.removeprefix("hook_"), "block": None, "position": t, "attribution": float(v)}
                       for t, v in enumerate(per_pos)]  # fmt: skip
     for block in range(model.cfg.n_layers):
-        name = f"blocks.{block}.hook_mlp_out"
+        name = node[block]
         written, g = leaves[name][0].detach(), grad[name][0]
         if block not in spliced:
             parts += [{"kind": "mlp (dense)", "block": block, "position": t, "attribution": float(v)}
@@ -219,13 +234,29 @@ def attribute(model: Any, tokens: Any, target: Callable[[torch.Tensor], torch.Te
     )
 
 
+def _module_leaf(value: torch.Tensor, name: str, leaves: dict[str, torch.Tensor]):
+    """A replacement for an MLP module's output (``hooks.replacing_outputs``): ``value`` as a fresh leaf
+    that requires grad, kept in ``leaves[name]``."""
+
+    def replace(out: torch.Tensor) -> torch.Tensor:
+        source = value.detach().clone().requires_grad_(True)
+        leaves[name] = source
+        return source
+
+    return replace
+
+
 def frozen_target(model: Any, tokens: Any, target: Callable, attribution: Attribution,
                   edit: dict[str, torch.Tensor] | None = None) -> float:  # fmt: skip
     """The target in the frozen model of ``attribution`` (patterns, scales and MLP outputs as on the
     prompt), with ``edit`` {hook name: new value} replacing frozen MLP outputs: what an intervention on
-    one contribution does there (the test of the attribution's linearity)."""
+    one contribution does there (the test of the attribution's linearity). A block whose node is the
+    MLP module's output (``blocks.L.mlp.hook_out``) has that replaced, its post-MLP norm run after it."""
     tokens = _check_tokens(model, tokens)
     names = [n for n in attribution.frozen if n.endswith("hook_mlp_out")]
+    nodes = {
+        n: parsed for n in attribution.frozen if (parsed := hooks.parse_out_hook(n)) and parsed[1] == "mlp"
+    }
     with torch.no_grad():
         _, cache = model.run_with_cache(
             tokens, names_filter=lambda n: n.endswith(("hook_pattern", "hook_scale"))
@@ -237,13 +268,17 @@ def frozen_target(model: Any, tokens: Any, target: Callable, attribution: Attrib
         def mlp(value: torch.Tensor, hook: Any) -> torch.Tensor:
             return (edit or {}).get(hook.name, attribution.frozen[hook.name])
 
-        logits = model.run_with_hooks(
-            tokens,
-            fwd_hooks=[
-                (lambda n: n.endswith(("hook_pattern", "hook_scale")), freeze),
-                (lambda n: n in names, mlp),
-            ],
-        )
+        def module(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+            return lambda out: (edit or {}).get(name, attribution.frozen[name])
+
+        with hooks.replacing_outputs(model, {at: module(name) for name, at in nodes.items()}):
+            logits = model.run_with_hooks(
+                tokens,
+                fwd_hooks=[
+                    (lambda n: n.endswith(("hook_pattern", "hook_scale")), freeze),
+                    (lambda n: n in names, mlp),
+                ],
+            )
     return float(target(logits))
 
 
@@ -270,11 +305,25 @@ def edges(model: Any, tokens: Any, upstream: int, downstream: int, keep: float =
     mlp_out = [f"blocks.{b}.hook_mlp_out" for b in range(model.cfg.n_layers)]
     freeze_names = lambda name: name.endswith(("hook_pattern", "hook_scale"))  # noqa: E731
     up_rep, down_rep = hooks.replacement(up), hooks.replacement(down)
-    with torch.no_grad(), hooks.capture_mlp_io(model, [upstream], resid=hooks.resid_blocks([up_rep])) as io:
+    # the source: upstream's hook_mlp_out, or its MLP module's output for a layer writing there (its
+    # block's post-MLP norm, scale frozen, then runs after it: hook_mlp_out is not held fixed)
+    at_module = up_rep.writes == "mlp"
+    with (
+        torch.no_grad(),
+        hooks.capture_mlp_io(
+            model, [upstream], resid=hooks.resid_blocks([up_rep]), module_out=[upstream] if at_module else []
+        ) as io,
+    ):
         _, cache = model.run_with_cache(tokens, names_filter=lambda n: freeze_names(n) or n in mlp_out)
     split = contributions(up, hooks.layer_input(io, up_rep)[0])
     source_name = f"blocks.{upstream}.hook_mlp_out"
     leaf: dict[str, torch.Tensor] = {}
+    if at_module:
+        mlp_out.remove(source_name)
+        source_name = hooks.mlp_module_out_hook(upstream)
+    module_leaf = (
+        {(upstream, "mlp"): _module_leaf(io[upstream]["module_out"], "source", leaf)} if at_module else {}
+    )
 
     def freeze(value: torch.Tensor, hook: Any) -> torch.Tensor:
         return cache[hook.name].detach()
@@ -287,7 +336,11 @@ def edges(model: Any, tokens: Any, upstream: int, downstream: int, keep: float =
         return out
 
     down_resid = hooks.resid_blocks([down_rep])
-    with torch.enable_grad(), hooks.capture_mlp_io(model, [downstream], resid=down_resid) as down_io:
+    with (
+        torch.enable_grad(),
+        hooks.capture_mlp_io(model, [downstream], resid=down_resid) as down_io,
+        hooks.replacing_outputs(model, module_leaf),
+    ):
         model.run_with_hooks(tokens, fwd_hooks=[(freeze_names, freeze), (lambda n: n in mlp_out, constant)],
                              stop_at_layer=downstream + 1)  # fmt: skip
         x = hooks.layer_input(down_io, down_rep)[0]

@@ -13,8 +13,10 @@ Definitions (all per predicted token, averaged over the held-out tokens):
 - CE: next-token cross-entropy in nats; ΔCE = CE(spliced) − CE(clean).
 - CE recovered = (CE(ablated) − CE(spliced)) / (CE(ablated) − CE(clean)), for zero- and mean-ablation.
 - KL = KL(clean ‖ spliced) of the next-token distributions.
-- FVU = Σ‖ŷ − y‖² / Σ‖y − ȳ‖² against the true MLP output y on the clean input; explained variance
-  = 1 − FVU.
+- FVU = Σ‖ŷ − y‖² / Σ‖y − ȳ‖² against the true MLP output y on the clean input, where the layer
+  writes (``hook_mlp_out``, or the MLP module's own output for a layer writing ``blocks.L.mlp.hook_out``,
+  whose splice the block's post-MLP norm follows: ``mxd_lens.hooks``); explained variance = 1 − FVU.
+  The ablation baselines replace ``hook_mlp_out`` whatever the layer's write site.
 
 How the units are used (a unit is *active* on a token where its code is non-zero; MxD's ``topk`` gate
 gives signed codes):
@@ -112,6 +114,11 @@ def evaluate(
         raise ValueError("together=True splices all layers at once, so each must replace a different block")
     blocks = sorted(set(index.values()))
     resid_blocks = sorted({rep.block for rep in reps.values() if rep.reads == "resid"})
+    module_blocks = sorted({rep.block for rep in reps.values() if rep.writes == "mlp"})
+    # (block, capture key) of every FVU target; hook_mlp_out's ("out") also gives mean-ablation's mean
+    fvu_targets = sorted(
+        {(b, "out") for b in blocks} | {(r.block, hooks.output_key(r.writes)) for r in reps.values()}
+    )
     if isinstance(skip_positions, bool) or not isinstance(skip_positions, int) or skip_positions < 0:
         raise ValueError(f"skip_positions={skip_positions!r}: give a number of positions, 0 or more")
     first = skip_positions
@@ -126,8 +133,8 @@ def evaluate(
     jacobian: dict[str, list[torch.Tensor]] = {name: [] for name in named}
     per_batch: dict[str, list[tuple[float, float]]] = {name: [] for name in named}  # (ΔCE, KL) per batch
     generator = torch.Generator().manual_seed(0)
-    y_sum: dict[int, torch.Tensor] = {}  # Σ y and Σ ||y||² per block (float64), for FVU's variance
-    y_sq: dict[int, float] = {}
+    y_sum: dict[tuple[int, str], torch.Tensor] = {}  # Σ y and Σ ||y||² per target (float64), FVU's variance
+    y_sq: dict[tuple[int, str], float] = {}
     kept: list[tuple[dict[int, torch.Tensor], torch.Tensor]] = []  # residuals for the mean-ablation pass
     n_pred = n_tokens = 0
     for tokens in tqdm(batches, desc="evaluating", unit="batch", disable=not progress):
@@ -137,7 +144,7 @@ def evaluate(
                 "skip fewer positions or evaluate longer rows"
             )
         with torch.inference_mode():
-            with hooks.capture_mlp_io(model, blocks, resid=resid_blocks) as io:
+            with hooks.capture_mlp_io(model, blocks, resid=resid_blocks, module_out=module_blocks) as io:
                 logits, cache = model.run_with_cache(tokens, names_filter=resid_names)
             resid = {b: cache[f"blocks.{b}.hook_resid_pre"] for b in blocks}
             clean_logp = F.log_softmax(logits[:, first:-1].float(), dim=-1)
@@ -148,21 +155,22 @@ def evaluate(
             _add(sums, "ce_clean", clean_sum)
             if baselines:
                 kept.append(({b: r.cpu() for b, r in resid.items()}, target.cpu()))
-            for block in blocks:
-                y = io[block]["out"][:, skip:].double()
-                y_sum[block] = y_sum.get(block, 0) + y.sum((0, 1))
-                y_sq[block] = y_sq.get(block, 0.0) + float(y.pow(2).sum())
+            for target_at in fvu_targets:
+                block, key = target_at
+                y = io[block][key][:, skip:].double()
+                y_sum[target_at] = y_sum.get(target_at, 0) + y.sum((0, 1))
+                y_sq[target_at] = y_sq.get(target_at, 0.0) + float(y.pow(2).sum())
             n_tokens += io[blocks[0]]["out"][:, skip:].shape[:2].numel()
 
             clean = (clean_logp, clean_p)
             for name, layer in named.items():
                 block, rep = index[name], reps[name]
-                x, y = io[block]["resid" if rep.reads == "resid" else "in"], io[block]["out"]
+                x = io[block]["resid" if rep.reads == "resid" else "in"]
+                y = io[block][hooks.output_key(rep.writes)]  # what the layer replaces
                 out, values, idx = rep.forward_sparse(x)
                 out = out.to(y.dtype)
-                ce_sum, kl_sum = _score(
-                    sums, f"splice:{name}", _run_from(model, resid, block, {block: out}), target, clean, first
-                )
+                spliced = _run_from(model, resid, block, {block: out}, rep.writes)
+                ce_sum, kl_sum = _score(sums, f"splice:{name}", spliced, target, clean, first)
                 per_batch[name].append(((ce_sum - clean_sum) / target.numel(), kl_sum / target.numel()))
                 out, values, idx = out[:, skip:], values[:, skip:], idx[:, skip:]
                 x_kept, y_kept = x[:, skip:], y[:, skip:]
@@ -206,7 +214,7 @@ def evaluate(
     if n_pred == 0:
         raise ValueError("evaluate got no token batches")
 
-    means = {block: (y_sum[block] / n_tokens).float() for block in blocks}
+    means = {block: (y_sum[block, "out"] / n_tokens).float() for block in blocks}
     if baselines:  # mean-ablation, from the kept residuals, now that the mean is known
         with torch.inference_mode():
             for resid, target in kept:
@@ -222,7 +230,8 @@ def evaluate(
     rows = []
     for name, layer in named.items():
         block = index[name]
-        sst = y_sq[block] - n_tokens * float(y_sum[block].pow(2).sum()) / n_tokens**2  # Σ||y - ȳ||²
+        at = (block, hooks.output_key(reps[name].writes))
+        sst = y_sq[at] - n_tokens * float(y_sum[at].pow(2).sum()) / n_tokens**2  # Σ||y - ȳ||²
         row = _row(
             name, layer, block, sums, n_pred, ce_clean, f"splice:{name}", [block], baselines, k=reps[name].k
         )
@@ -330,8 +339,9 @@ def _effective_units(values: torch.Tensor) -> torch.Tensor:
 def _jacobian(model, rep, block: int, x: torch.Tensor, directions, generator) -> torch.Tensor:
     """The per-token Jacobian cosine of a layer (``rep``: ``hooks.replacement(layer)``) against block
     ``block``'s MLP on inputs ``x`` [T, d_in] (what the layer reads: for a layer reading the residual
-    before ln2, against ln2 then the MLP)."""
-    layer, host = rep.layer, hooks.host_map(model, block, rep.reads)
+    before ln2, against ln2 then the MLP; to what it writes: for a layer writing hook_mlp_out of a block
+    that normalises the MLP output, the MLP then that norm)."""
+    layer, host = rep.layer, hooks.host_map(model, block, rep.reads, rep.writes)
     d_out = layer.cfg.d_out
     with torch.inference_mode(False):
         x = x.clone()  # out of inference mode, so autograd can record
@@ -344,15 +354,21 @@ def _jacobian(model, rep, block: int, x: torch.Tensor, directions, generator) ->
         ).cpu()
 
 
-def _run_from(model, resid: Mapping[int, torch.Tensor], block: int, outputs: Mapping[int, torch.Tensor]):
-    """Logits of the model run from ``block``'s residual stream on, with each given block's
-    ``hook_mlp_out`` replaced by the given tensor (a layer's output on the clean input, zeros, the mean)."""
+def _run_from(
+    model,
+    resid: Mapping[int, torch.Tensor],
+    block: int,
+    outputs: Mapping[int, torch.Tensor],
+    writes: hooks.Writes = "hook_mlp_out",
+):
+    """Logits of the model run from ``block``'s residual stream on, with each given block's output at
+    ``writes`` (``hook_mlp_out``, or the MLP module's, which the block's post-MLP norm follows) replaced
+    by the given tensor (a layer's output on the clean input, zeros, the mean)."""
 
     def replace(value: torch.Tensor):
-        return lambda out, hook: value.to(out.dtype).expand_as(out)
+        return lambda out: value.to(out.dtype).expand_as(out)
 
-    fwd_hooks = [(hooks.mlp_out_hook(b), replace(v)) for b, v in outputs.items()]
-    with model.hooks(fwd_hooks=fwd_hooks):
+    with hooks.replacing_outputs(model, {(b, writes): replace(v) for b, v in outputs.items()}):
         return model(resid[block], start_at_layer=block)
 
 

@@ -13,7 +13,9 @@ against circuit-tracer 0.5.0, ``circuit_tracer/utils/hf_utils.py`` and ``utils/c
   verbatim (hub URIs, or paths relative to the working directory, not to ``config.yaml``).
 - ``config.yaml`` with the keys the loader reads: ``model_kind: transcoder_set``; ``scan``, the id
   of this set (see below); ``feature_input_hook: mlp.hook_in`` and ``feature_output_hook:
-  hook_mlp_out`` (what our layers read and write, relative to ``blocks.L``); ``model_name`` (the
+  hook_mlp_out`` (what our layers read and write, relative to ``blocks.L``; ``mlp.hook_out``, the MLP
+  module's output, for layers that write there: Gemma-2/3 and OLMo-2/3, ``mxd_lens.hooks``; a set
+  shares one); ``model_name`` (the
   default ``--model`` of ``circuit-tracer attribute``); ``activation: topk`` and ``k``. Ours besides,
   which the loader ignores: ``exported_by: mxd-lens`` and ``blocks``.
 
@@ -72,6 +74,7 @@ log = logging.getLogger(__name__)
 
 FEATURE_INPUT_HOOK = "mlp.hook_in"
 FEATURE_OUTPUT_HOOK = "hook_mlp_out"
+FEATURE_OUTPUT_HOOKS = {"hook_mlp_out": FEATURE_OUTPUT_HOOK, "mlp": "mlp.hook_out"}  # by hooks.Writes
 CONFIG_FILE = "config.yaml"  # the name circuit-tracer's loader looks for
 
 
@@ -149,7 +152,7 @@ def export_circuit_tracer(layers: Sequence[str | Path] | str | Path, out: str | 
     from safetensors.torch import save_file
 
     from mxd_lens.fileio import _umask, atomic_write, atomic_write_text
-    from mxd_lens.hooks import block_of
+    from mxd_lens.hooks import block_of, writes_of
     from mxd_lens.layers.io import layer_folders, load_layer
     from mxd_lens.models import model_identity
     from mxd_lens.records import TrainingRecord
@@ -166,6 +169,12 @@ def export_circuit_tracer(layers: Sequence[str | Path] | str | Path, out: str | 
     shapes = {(type(layer).__name__, layer.cfg.k, layer.cfg.d_sae) for _, layer in by_block.values()}
     if len(shapes) > 1:
         raise ValueError(f"a transcoder set has one architecture, K and width; got {sorted(shapes)}")
+    sites = {writes_of(layer) for _, layer in by_block.values()}
+    if len(sites) > 1:
+        raise ValueError(
+            "a transcoder set has one output hook, but some of these layers write hook_mlp_out and others "
+            "the MLP module's output (mlp.hook_out): export them as two sets"
+        )
     models = {}
     for folder, layer in by_block.values():
         recorded = TrainingRecord.of(layer).model_source
@@ -193,7 +202,7 @@ def export_circuit_tracer(layers: Sequence[str | Path] | str | Path, out: str | 
         "model_kind": "transcoder_set",
         "scan": circuit_tracer_scan(model_name, first),
         "feature_input_hook": FEATURE_INPUT_HOOK,
-        "feature_output_hook": FEATURE_OUTPUT_HOOK,
+        "feature_output_hook": FEATURE_OUTPUT_HOOKS[sites.pop()],
         "model_name": model_name,
         "activation": "topk",
         "k": int(first.cfg.k),

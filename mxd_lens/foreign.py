@@ -4,7 +4,8 @@ Researchers hold transcoders trained with other code and loaded by SAELens (``SA
 ``SAE.load_from_disk``): SAELens's ``transcoder``, ``skip_transcoder``, ``jumprelu_transcoder`` and
 ``jumprelu_skip_transcoder`` (``sae_lens/saes/transcoder.py``). Such a layer says where it reads and
 writes in its cfg: ``metadata.hook_name`` and ``metadata.hook_name_out``. It replaces block L's MLP
-when it writes ``blocks.L.hook_mlp_out`` and reads, in the same block, one of
+when it writes ``blocks.L.hook_mlp_out`` (or ``blocks.L.mlp.hook_out``, the MLP module's own output:
+``mxd_lens.hooks`` says how the two differ) and reads, in the same block, one of
 
 - ``blocks.L.mlp.hook_in``: the MLP's input (what our layers record); read as the MLP module's exact
   input, as for ours;
@@ -46,11 +47,11 @@ from sae_lens.saes.transcoder import SkipTranscoder, Transcoder
 from transformer_lens.hook_points import HookPoint
 
 _IN_HOOK = re.compile(r"^blocks\.(\d+)\.(mlp\.hook_in|ln2\.hook_normalized|hook_mlp_in)$")
-_OUT_HOOK = re.compile(r"^blocks\.(\d+)\.hook_mlp_out$")
+_OUT_HOOK = re.compile(r"^blocks\.(\d+)\.(hook_mlp_out|mlp\.hook_out)$")
 SUPPORTED_READS = ("blocks.L.mlp.hook_in", "blocks.L.ln2.hook_normalized", "blocks.L.hook_mlp_in")
 _SUPPORTED = (
     f"mxd-lens splices layers that replace an MLP: they read its input ({', '.join(SUPPORTED_READS)}) "
-    "and write 'blocks.L.hook_mlp_out' of the same block (transcoders)"
+    "and write 'blocks.L.hook_mlp_out' (or 'blocks.L.mlp.hook_out') of the same block (transcoders)"
 )
 
 
@@ -100,6 +101,7 @@ class ForeignLayer:
             )
         self.layer = sae
         self.block = int(out_match.group(1))
+        self.writes = "mlp" if out_match.group(2) == "mlp.hook_out" else "hook_mlp_out"
         self.hook_name = str(hook_in)
         self.site = in_match.group(2)  # mlp.hook_in | ln2.hook_normalized | hook_mlp_in
         self.reads = "resid" if self.site == "hook_mlp_in" else "mlp"

@@ -6,7 +6,23 @@ A plain ``HookedTransformer`` has no such hook (``ln2.hook_normalized`` is pre-a
 is folded; ``hook_mlp_in`` is before ln2), so we read the MLP module's own input with a forward
 pre-hook: exact with LN folded or not, for sequential and parallel (Pythia, GPT-J) blocks alike.
 
-Where a layer writes: ``blocks.L.hook_mlp_out``.
+Where a layer writes (its ``metadata.hook_name_out``, a :data:`Writes`):
+
+- ``blocks.L.hook_mlp_out`` ("hook_mlp_out"): the block's MLP output as the residual stream receives it.
+  In a plain pre-norm block that is the MLP module's output itself.
+- ``blocks.L.mlp.hook_out`` ("mlp"): the MLP module's own output, the name TransformerLens's
+  ``TransformerBridge`` and circuit-tracer give it (the bridge too points a Gemma-2/3 block's
+  ``hook_mlp_out`` at the norm after the MLP, ``ln2_post.hook_out``). Gemma-2/3 (``cfg.use_normalization_before_and_after``)
+  and OLMo-2/3 (``POST_NORM_ARCHITECTURES``) blocks normalise the MLP's output before ``hook_mlp_out``
+  (``hook_mlp_out = ln2_post(MLP(x))``; OLMo: ``ln2(MLP(x))``); a layer writing here replaces the MLP
+  module, and the host's norm still runs after it, as after the MLP. Only this is in MxD's function
+  class on those hosts (``MxD.from_mlp`` copies the MLP exactly), so it is their default
+  (:func:`default_writes`); other hosts keep ``hook_mlp_out``, where the two are the same tensor.
+
+A layer saved before the second site existed records ``hook_mlp_out`` and loads unchanged, writing there.
+A plain ``HookedTransformer`` has no ``mlp.hook_out``: :func:`splice` writes there with a forward hook on
+the MLP module; ``mxd_lens.models.add_mlp_out_hooks`` adds the hook point for SAELens's
+``HookedSAETransformer.add_sae`` (``load_model(..., cls=HookedSAETransformer)`` does it itself).
 
 Layers from elsewhere (any SAELens ``SAE`` whose cfg says it reads an MLP's input and writes
 ``blocks.L.hook_mlp_out``: SAELens's transcoders, loaded with ``SAE.from_pretrained`` /
@@ -18,7 +34,7 @@ from __future__ import annotations
 
 import re
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -34,8 +50,12 @@ if TYPE_CHECKING:
     from mxd_lens.layers.base import MLPReplacement
 
 Reads = Literal["mlp", "resid"]
+Writes = Literal["hook_mlp_out", "mlp"]
+"""Where a layer writes (see the module docstring): "hook_mlp_out", ``blocks.L.hook_mlp_out``; "mlp",
+the MLP module's own output, ``blocks.L.mlp.hook_out`` (the host's post-MLP norm, if any, runs after it)."""
 
-_OUT_HOOK = re.compile(r"^blocks\.(\d+)\.hook_mlp_out$")
+_OUT_HOOK = re.compile(r"^blocks\.(\d+)\.(hook_mlp_out|mlp\.hook_out)$")
+_WRITES: dict[str, Writes] = {"hook_mlp_out": "hook_mlp_out", "mlp.hook_out": "mlp"}
 # model -> {block: layer} for the splices active on it (what steering checks)
 _SPLICED: weakref.WeakKeyDictionary[Any, dict[int, Any]] = weakref.WeakKeyDictionary()
 
@@ -46,6 +66,55 @@ def mlp_in_hook(block: int) -> str:
 
 def mlp_out_hook(block: int) -> str:
     return f"blocks.{block}.hook_mlp_out"
+
+
+def mlp_module_out_hook(block: int) -> str:
+    """The name of the MLP module's own output (``TransformerBridge``'s and circuit-tracer's name)."""
+    return f"blocks.{block}.mlp.hook_out"
+
+
+def out_hook(block: int, writes: Writes) -> str:
+    """The hook name a layer writing at ``writes`` records as ``metadata.hook_name_out``."""
+    if writes == "hook_mlp_out":
+        return mlp_out_hook(block)
+    if writes == "mlp":
+        return mlp_module_out_hook(block)
+    raise ValueError(f"writes={writes!r}: choose 'hook_mlp_out' or 'mlp'")
+
+
+def parse_out_hook(name: Any) -> tuple[int, Writes] | None:
+    """(block, write site) of an output hook name ``blocks.L.hook_mlp_out`` / ``blocks.L.mlp.hook_out``;
+    None for any other name (or None)."""
+    match = _OUT_HOOK.match(name) if isinstance(name, str) else None
+    return None if match is None else (int(match.group(1)), _WRITES[match.group(2)])
+
+
+def normalises_mlp_output(model: HookedTransformer) -> bool:
+    """True when ``model``'s blocks normalise the MLP's output before ``hook_mlp_out``: Gemma-2/3
+    (``use_normalization_before_and_after``: ln2_post) and OLMo-2/3 (``POST_NORM_ARCHITECTURES``:
+    ln2 follows the MLP)."""
+    from transformer_lens.utilities.architectures import POST_NORM_ARCHITECTURES
+
+    cfg = model.cfg
+    return (
+        bool(cfg.use_normalization_before_and_after) or cfg.original_architecture in POST_NORM_ARCHITECTURES
+    )
+
+
+def default_writes(model: HookedTransformer) -> Writes:
+    """Where a new layer for ``model`` writes: the MLP module ("mlp") where the block normalises the MLP
+    output (only the module is in MxD's function class there), else ``hook_mlp_out`` (the same tensor)."""
+    return "mlp" if normalises_mlp_output(model) else "hook_mlp_out"
+
+
+def post_norms(model: HookedTransformer, block: int) -> list[nn.Module]:
+    """The norms block ``block`` applies to the MLP's output before ``hook_mlp_out``, in order (TL's
+    ``apply_mlp``): ln2_post (Gemma-2/3), ln2 (OLMo-2/3); none in other blocks."""
+    from transformer_lens.utilities.architectures import POST_NORM_ARCHITECTURES
+
+    module = model.blocks[block]
+    norms = [module.ln2_post] if model.cfg.use_normalization_before_and_after else []
+    return norms + ([module.ln2] if model.cfg.original_architecture in POST_NORM_ARCHITECTURES else [])
 
 
 def check_block(model: HookedTransformer, block: int) -> None:
@@ -64,9 +133,11 @@ def mlp_module(model: HookedTransformer, block: int) -> nn.Module:
     return model.blocks[block].mlp
 
 
-def dense_mlp(model: HookedTransformer, block: int) -> nn.Module:
-    """Block ``block``'s MLP when ``hook_mlp_out`` is exactly ``W_out act(...) + b_out`` of a plain
-    or gated MLP (what ``MxD.from_mlp`` can copy); a clear error otherwise."""
+def dense_mlp(model: HookedTransformer, block: int, writes: Writes = "mlp") -> nn.Module:
+    """Block ``block``'s MLP when what a layer writing at ``writes`` replaces is exactly ``W_out
+    act(...) + b_out`` of a plain or gated MLP (what ``MxD.from_mlp`` can copy); a clear error
+    otherwise. The MLP module's output always is; ``hook_mlp_out`` is not where the block normalises
+    the MLP output (Gemma-2/3, OLMo-2/3)."""
     from transformer_lens.components import MLP, GatedMLP
 
     mlp = mlp_module(model, block)
@@ -74,21 +145,22 @@ def dense_mlp(model: HookedTransformer, block: int) -> nn.Module:
         raise ValueError(
             f"block {block}'s MLP is a {type(mlp).__name__}; only MLP and GatedMLP can be copied"
         )
-    if model.cfg.use_normalization_before_and_after or model.cfg.original_architecture in (
-        "Olmo2ForCausalLM",
-        "Olmo3ForCausalLM",
-    ):
+    if writes != "mlp" and normalises_mlp_output(model):
         raise ValueError(
-            f"{model.cfg.model_name} normalises the MLP output before hook_mlp_out; an MxD cannot copy "
-            "that MLP exactly (it can still be trained on it)"
+            f"{model.cfg.model_name} normalises the MLP output before hook_mlp_out, so a layer writing "
+            f"{out_hook(block, writes)} cannot copy its MLP exactly; a layer that replaces the MLP module "
+            f"(metadata.hook_name_out = {mlp_module_out_hook(block)!r}: what .for_model / MxD.from_mlp / "
+            "hooks.layer_metadata give on this model) can"
         )
     if model.cfg.is_layer_norm_activation():
         raise ValueError(f"act_fn={model.cfg.act_fn!r} has a LayerNorm inside the MLP; not supported")
     return mlp
 
 
-def layer_metadata(model: HookedTransformer, block: int) -> SAEMetadata:
-    """SAELens metadata for a layer that replaces block ``block``'s MLP of ``model``."""
+def layer_metadata(model: HookedTransformer, block: int, writes: Writes | None = None) -> SAEMetadata:
+    """SAELens metadata for a layer that replaces block ``block``'s MLP of ``model``: it reads
+    ``blocks.L.mlp.hook_in`` and writes at ``writes`` (default: :func:`default_writes`, the MLP module
+    on hosts that normalise its output, else ``hook_mlp_out``)."""
     from sae_lens.saes.sae import SAEMetadata
 
     check_block(model, block)
@@ -96,7 +168,7 @@ def layer_metadata(model: HookedTransformer, block: int) -> SAEMetadata:
         model_name=model.cfg.model_name,
         model_class_name=type(model).__name__,
         hook_name=mlp_in_hook(block),
-        hook_name_out=mlp_out_hook(block),
+        hook_name_out=out_hook(block, default_writes(model) if writes is None else writes),
         hook_layer=block,
     )
 
@@ -105,6 +177,11 @@ def block_of(layer: MLPReplacement[Any] | SAE[Any]) -> int:
     """Which block a layer replaces, read from ``cfg.metadata.hook_name_out`` (and, for a layer from
     elsewhere, checked against ``hook_name``: :class:`mxd_lens.foreign.ForeignLayer`)."""
     return replacement(layer).block
+
+
+def writes_of(layer: MLPReplacement[Any] | SAE[Any]) -> Writes:
+    """Where a layer writes (:data:`Writes`), read from ``cfg.metadata.hook_name_out``."""
+    return replacement(layer).writes
 
 
 def check_fits(model: HookedTransformer, layer: MLPReplacement[Any] | SAE[Any], block: int) -> None:
@@ -122,7 +199,7 @@ def replacement(layer: Any) -> Any:
     (a clear ValueError when it does not replace an MLP).
 
     Both give: ``layer``, ``block``, ``reads`` ("mlp": the exact input of the MLP module; "resid":
-    ``hook_mlp_in``'s value, the residual before ln2), ``k`` (None when the layer has none),
+    ``hook_mlp_in``'s value, the residual before ln2), ``writes`` (:data:`Writes`), ``k`` (None when the layer has none),
     ``default_name``, ``check_fits(model, block)``, ``layer_output(x)`` (what the splice writes, code
     hooks run), ``unhooked(x)`` (the output without code hooks, None when ``layer_output``'s already
     is), ``forward_sparse(x)`` -> (output, code values, code indices) and ``output_from_codes(x, values,
@@ -137,21 +214,22 @@ def replacement(layer: Any) -> Any:
 
 class OurLayer:
     """An mxd-lens layer (``MLPReplacement``) as ``splice`` and ``evaluate`` use it: its own methods.
-    It reads the exact input of the MLP module (its ``hook_name`` is ``blocks.L.mlp.hook_in``)."""
+    It reads the exact input of the MLP module (its ``hook_name`` is ``blocks.L.mlp.hook_in``) and
+    writes where its ``hook_name_out`` says (``blocks.L.hook_mlp_out`` or ``blocks.L.mlp.hook_out``)."""
 
     reads: Reads = "mlp"
 
     def __init__(self, layer: MLPReplacement[Any]):
         self.layer = layer
         hook = layer.cfg.metadata.hook_name_out
-        match = _OUT_HOOK.match(hook or "")
-        if match is None:
+        parsed = parse_out_hook(hook)
+        if parsed is None:
             raise ValueError(
-                f"{type(layer).__name__} has metadata.hook_name_out={hook!r}, not 'blocks.L.hook_mlp_out': "
-                "build it with .for_model(model, block, ...) / MxD.from_mlp, or set "
-                "layer.cfg.metadata = mxd_lens.hooks.layer_metadata(model, block)"
+                f"{type(layer).__name__} has metadata.hook_name_out={hook!r}, not 'blocks.L.hook_mlp_out' "
+                "or 'blocks.L.mlp.hook_out': build it with .for_model(model, block, ...) / MxD.from_mlp, or "
+                "set layer.cfg.metadata = mxd_lens.hooks.layer_metadata(model, block)"
             )
-        self.block = int(match.group(1))
+        self.block, self.writes = parsed
 
     @property
     def k(self) -> int:
@@ -268,24 +346,42 @@ def read_module(model: HookedTransformer, block: int, reads: Reads = "mlp") -> n
     return mlp if model.cfg.original_architecture in POST_NORM_ARCHITECTURES else model.blocks[block].ln2
 
 
-def host_map(model: HookedTransformer, block: int, reads: Reads = "mlp"):
+def host_map(model: HookedTransformer, block: int, reads: Reads = "mlp", writes: Writes = "mlp"):
     """Block ``block``'s map, token by token ([T, d] -> [T, d]), from what a layer that ``reads`` is
-    given to the MLP's output: the MLP itself, or for "resid" ln2 then the MLP (what the layer's
-    Jacobian is compared with)."""
+    given to what a layer that ``writes`` replaces: the MLP itself, or for "resid" ln2 then the MLP
+    (what the layer's Jacobian is compared with); for ``writes="hook_mlp_out"`` followed by the block's
+    post-MLP norms (:func:`post_norms`, none in a pre-norm block)."""
     mlp, module = mlp_module(model, block), read_module(model, block, reads)
-    if module is mlp:
-        return lambda v: mlp(v[None])[0]
-    return lambda v: mlp(module(v[None]))[0]
+    after = post_norms(model, block) if writes == "hook_mlp_out" else []
+
+    def host(v: torch.Tensor) -> torch.Tensor:
+        y = mlp(v[None] if module is mlp else module(v[None]))
+        for norm in after:
+            y = norm(y)
+        return y[0]
+
+    return host
+
+
+def output_key(writes: Writes) -> str:
+    """The key of :func:`capture_mlp_io`'s record that holds what a layer writing at ``writes``
+    replaces (its training and FVU target): "out" (``hook_mlp_out``) or "module_out"."""
+    return "module_out" if writes == "mlp" else "out"
 
 
 @contextmanager
 def capture_mlp_io(
-    model: HookedTransformer, blocks: Sequence[int], resid: Sequence[int] = ()
+    model: HookedTransformer,
+    blocks: Sequence[int],
+    resid: Sequence[int] = (),
+    module_out: Sequence[int] = (),
 ) -> Iterator[dict[int, dict[str, torch.Tensor]]]:
     """Record (MLP input, hook_mlp_out) of each block in ``blocks`` during forwards inside the block:
     ``with capture_mlp_io(model, [3]) as io: model(tokens)`` then ``io[3]["in"], io[3]["out"]``; for
     the blocks in ``resid`` (among ``blocks``) also ``io[b]["resid"]``, ``hook_mlp_in``'s value (the
-    residual before ln2, see :func:`read_module`)."""
+    residual before ln2, see :func:`read_module`); for those in ``module_out`` also
+    ``io[b]["module_out"]``, the MLP module's own output (before the post-MLP norm of Gemma-2/3 and
+    OLMo-2/3 blocks: what a layer writing "mlp" replaces, see :func:`output_key`)."""
     io: dict[int, dict[str, torch.Tensor]] = {block: {} for block in blocks}
     handles = []
     fwd_hooks = []
@@ -296,6 +392,8 @@ def capture_mlp_io(
             if block in resid:
                 module = read_module(model, block, "resid")
                 handles.append(module.register_forward_pre_hook(_store_input(slot, "resid")))
+            if block in module_out:
+                handles.append(mlp_module(model, block).register_forward_hook(_store_output(slot)))
 
             def store_out(out: torch.Tensor, hook: Any, slot: dict[str, torch.Tensor] = slot) -> None:
                 slot["out"] = out
@@ -315,16 +413,51 @@ def _store_input(slot: dict[str, torch.Tensor], key: str = "in"):
     return pre_hook
 
 
+def _store_output(slot: dict[str, torch.Tensor], key: str = "module_out"):
+    def hook(module: nn.Module, args: tuple[torch.Tensor, ...], output: torch.Tensor) -> None:
+        slot[key] = output
+
+    return hook
+
+
+@contextmanager
+def replacing_outputs(
+    model: HookedTransformer, replace: Mapping[tuple[int, Writes], Callable[[torch.Tensor], torch.Tensor]]
+) -> Iterator[HookedTransformer]:
+    """While inside, block L's output at write site ``writes`` is ``fn(its value)`` for each
+    ``(L, writes): fn``: ``hook_mlp_out`` through a TransformerLens hook, the MLP module's output
+    through a forward hook on ``blocks[L].mlp`` (so the block's post-MLP norm, if any, runs after it,
+    as after the MLP). Removed on exit, also when the block raises."""
+    handles = []
+    fwd_hooks = []
+    try:
+        for (block, writes), fn in replace.items():
+            if writes == "mlp":
+                hook = mlp_module(model, block).register_forward_hook(lambda m, args, out, fn=fn: fn(out))
+                handles.append(hook)
+            elif writes == "hook_mlp_out":
+                fwd_hooks.append((mlp_out_hook(block), lambda out, hook, fn=fn: fn(out)))
+            else:
+                raise ValueError(f"writes={writes!r}: choose 'hook_mlp_out' or 'mlp'")
+        with model.hooks(fwd_hooks=fwd_hooks):
+            yield model
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
 @contextmanager
 def splice(
     model: HookedTransformer, *layers: MLPReplacement[Any] | SAE[Any], error_term: bool = False
 ) -> Iterator[HookedTransformer]:
-    """Run ``model`` with each layer's output in place of its block's ``hook_mlp_out``.
+    """Run ``model`` with each layer's output in place of its block's MLP output, where the layer
+    writes: ``hook_mlp_out``, or the MLP module's own output (``metadata.hook_name_out =
+    blocks.L.mlp.hook_out``; the block's post-MLP norm then runs after it, as after the MLP).
 
     Each layer reads the exact input of the MLP it replaces and later blocks see its output. With
-    ``error_term=True`` the residual ``mlp_out - layer(x)`` (detached) is added back, so logits are
-    the clean ones while gradients and code edits flow through the layer. Hooks are removed on exit,
-    also when the block raises.
+    ``error_term=True`` the residual ``mlp_out - layer(x)`` (detached, at the layer's write site) is
+    added back, so logits are the clean ones while gradients and code edits flow through the layer.
+    Hooks are removed on exit, also when the block raises.
 
     A layer from elsewhere (a SAELens transcoder: :mod:`mxd_lens.foreign`) reads where its
     ``metadata.hook_name`` says: ``blocks.L.mlp.hook_in`` (or ``blocks.L.ln2.hook_normalized`` in a
@@ -341,23 +474,28 @@ def splice(
             raise ValueError(f"two layers target block {index}'s MLP; splice at most one per block")
         check_block(model, index)
         rep.check_fits(model, index)
-        if not isinstance(model.hook_dict.get(mlp_out_hook(index)), HookPoint):
-            raise ValueError(
-                f"{mlp_out_hook(index)} is not a plain HookPoint (an SAE is attached there?): "
-                "call model.reset_saes() first"
-            )
+        # an SAE attached by HookedSAETransformer.add_sae at either output site would override the splice
+        sites = {
+            mlp_out_hook(index): model.blocks[index].hook_mlp_out,
+            mlp_module_out_hook(index): getattr(model.blocks[index].mlp, "hook_out", None),
+        }
+        for name, point in sites.items():
+            if point is not None and not isinstance(point, HookPoint):
+                raise ValueError(
+                    f"{name} is not a plain HookPoint (an SAE is attached there?): call model.reset_saes() first"
+                )
         placed[index] = rep
 
     handles = []
-    fwd_hooks = []
+    replace = {}
     try:
         for index, rep in placed.items():
             slot: dict[str, torch.Tensor] = {}
             handles.append(read_module(model, index, rep.reads).register_forward_pre_hook(_store_input(slot)))
-            fwd_hooks.append((mlp_out_hook(index), _replace_output(rep, slot, error_term)))
+            replace[index, rep.writes] = _replace_output(rep, slot, error_term)
         active = _SPLICED.setdefault(model, {})
         active.update({index: rep.layer for index, rep in placed.items()})
-        with model.hooks(fwd_hooks=fwd_hooks):
+        with replacing_outputs(model, replace):
             yield model
     finally:
         for handle in handles:
@@ -372,7 +510,7 @@ def spliced_layers(model: HookedTransformer) -> dict[int, Any]:
 
 
 def _replace_output(rep: Any, slot: dict[str, torch.Tensor], error_term: bool):
-    def hook(mlp_out: torch.Tensor, hook: Any) -> torch.Tensor:
+    def replace(mlp_out: torch.Tensor) -> torch.Tensor:
         x = slot.pop("in")
         out = rep.layer_output(x).to(mlp_out.dtype)
         if error_term:
@@ -383,4 +521,4 @@ def _replace_output(rep: Any, slot: dict[str, torch.Tensor], error_term: bool):
             out = out + error
         return out
 
-    return hook
+    return replace

@@ -141,7 +141,9 @@ def model_card(repo_id: str, layers: Sequence[tuple[str, dict[str, Any]]]) -> st
             "",
             f"MLP replacements for {', '.join(models)}, trained with "
             "mxd-lens (Mixture of Decoders, TopK transcoders, skip transcoders). "
-            "Each folder replaces one MLP: it reads the MLP input and writes `hook_mlp_out`. ΔCE is the "
+            "Each folder replaces one MLP: it reads the MLP input and writes `hook_mlp_out`, or the MLP "
+            "module's own output `mlp.hook_out` where the model's block normalises the MLP output before "
+            "`hook_mlp_out` (Gemma-2/3, OLMo-2/3; splice with `mxd_lens.splice`). ΔCE is the "
             "spliced model's next-token loss minus the clean model's on held-out text (lower is better).",
             "",
             table,

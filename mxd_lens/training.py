@@ -44,6 +44,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
+from mxd_lens import hooks
 from mxd_lens.activations import (
     CachedActivations,
     ModelActivations,
@@ -694,6 +695,15 @@ def _check_given(layer: MLPReplacement, spec: LearnerSpec, info: StreamInfo) -> 
     if model_name and model_name != info.model_name:
         raise ValueError(
             f"{spec.name}: the layer was built for {model_name!r}, the stream is {info.model_name!r}"
+        )
+    writes, targets = hooks.writes_of(layer), info.writes(spec.block)
+    if writes != targets:
+        raise ValueError(
+            f"{spec.name}: the layer writes {hooks.out_hook(spec.block, writes)}, but the stream's targets are "
+            f"{hooks.out_hook(spec.block, targets)} (on Gemma-2/3 and OLMo-2/3 these differ: the block "
+            "normalises the MLP output between them): "
+            f"build the layer with writes={targets!r} (.for_model / MxD.from_mlp), or stream the other "
+            f"output (ModelActivations(..., writes={writes!r}))"
         )
 
 

@@ -179,3 +179,30 @@ def dense_reference(layer, x: torch.Tensor) -> torch.Tensor:
     else:
         raise TypeError(f"no reference for {type(layer).__name__}")
     return out.reshape(*lead, out.shape[-1])
+
+
+def make_hf_folder(tmp_path, family):
+    """A tiny random Hugging Face folder of ``family``, as save_pretrained writes it, with a tokenizer."""
+    import transformers
+
+    tok = make_tokenizer([" ".join(WORDS)])
+    common = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                  num_attention_heads=4, max_position_embeddings=64)  # fmt: skip
+    configs = {
+        "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(vocab_size=len(tok), n_embd=64, n_layer=3, n_head=4, n_positions=64)),
+        "llama": ("LlamaConfig", "LlamaForCausalLM", dict(common, num_key_value_heads=2)),
+        "pythia": ("GPTNeoXConfig", "GPTNeoXForCausalLM", dict(common)),
+        "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(common, num_key_value_heads=2, head_dim=16)),
+        "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(common, num_key_value_heads=2, head_dim=16, sliding_window=4)),
+        "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(common, num_key_value_heads=2, head_dim=16, sliding_window=4)),
+    }  # fmt: skip
+    config_name, model_name, kwargs = configs[family]
+    torch.manual_seed(0)
+    model = getattr(transformers, model_name)(getattr(transformers, config_name)(**kwargs)).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2)  # non-trivial norms and biases too
+    folder = tmp_path / family
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder, model, len(tok)

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import make_model
+from conftest import make_hf_folder, make_model
 from transformer_lens import HookedTransformer
 
 import mxd_lens
@@ -396,32 +396,7 @@ def test_a_config_tl_cannot_read_is_explained(tmp_path, monkeypatch):
         models.load_model(str(tmp_path / "gpt2-tiny"))
 
 
-def _tiny_folder(tmp_path, family):
-    """A tiny random Hugging Face folder of ``family``, as save_pretrained writes it, with a tokenizer."""
-    import transformers
-    from conftest import WORDS, make_tokenizer
-
-    tok = make_tokenizer([" ".join(WORDS)])
-    common = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-                  num_attention_heads=4, max_position_embeddings=64)  # fmt: skip
-    configs = {
-        "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(vocab_size=len(tok), n_embd=64, n_layer=3, n_head=4, n_positions=64)),
-        "llama": ("LlamaConfig", "LlamaForCausalLM", dict(common, num_key_value_heads=2)),
-        "pythia": ("GPTNeoXConfig", "GPTNeoXForCausalLM", dict(common)),
-        "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(common, num_key_value_heads=2, head_dim=16)),
-        "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(common, num_key_value_heads=2, head_dim=16, sliding_window=4)),
-        "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(common, num_key_value_heads=2, head_dim=16, sliding_window=4)),
-    }  # fmt: skip
-    config_name, model_name, kwargs = configs[family]
-    torch.manual_seed(0)
-    model = getattr(transformers, model_name)(getattr(transformers, config_name)(**kwargs)).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.2)  # non-trivial norms and biases too
-    folder = tmp_path / family
-    model.save_pretrained(folder)
-    tok.save_pretrained(folder)
-    return folder, model, len(tok)
+_tiny_folder = make_hf_folder  # (conftest: test_postnorm.py builds Gemma-2/3 hosts with it too)
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama", "pythia", "gemma", "gemma2", "gemma3"])

@@ -16,7 +16,7 @@ import json
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, NamedTuple, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, TypeVar
 
 import torch
 from sae_lens import SAE, SAEConfig
@@ -26,6 +26,9 @@ from torch import nn
 
 from mxd_lens import fileio
 from mxd_lens.layers import ops
+
+if TYPE_CHECKING:
+    from mxd_lens.hooks import Writes
 
 C = TypeVar("C", bound="LayerConfig")
 
@@ -112,9 +115,12 @@ class MLPReplacement(SAE[C]):
         self.pre_moments: tuple[torch.Tensor, torch.Tensor, int] | None = None
 
     @classmethod
-    def for_model(cls, model: Any, block: int, **cfg_fields: Any):
+    def for_model(cls, model: Any, block: int, writes: Writes | None = None, **cfg_fields: Any):
         """A fresh layer sized for block ``block``'s MLP of a HookedTransformer, with its hook
-        metadata set; ``cfg_fields`` are the remaining config fields (``d_sae``, ``k``, ...)."""
+        metadata set; ``cfg_fields`` are the remaining config fields (``d_sae``, ``k``, ...).
+        ``writes`` ("hook_mlp_out" or "mlp", the MLP module's output) is where it writes; by default
+        the MLP module where the block normalises the MLP's output (Gemma-2/3, OLMo-2/3), else
+        ``hook_mlp_out`` (``mxd_lens.hooks.default_writes``)."""
         from mxd_lens import hooks
 
         hooks.check_block(model, block)
@@ -123,7 +129,7 @@ class MLPReplacement(SAE[C]):
             "d_out": model.cfg.d_model,
             "dtype": str(model.cfg.dtype).removeprefix("torch."),
             "device": str(model.cfg.device or "cpu"),
-            "metadata": hooks.layer_metadata(model, block),
+            "metadata": hooks.layer_metadata(model, block, writes),
             **cls._model_defaults(model),
             **cfg_fields,
         }

@@ -46,6 +46,8 @@ from mxd_lens.layers.base import LayerConfig, MLPReplacement, uniform_
 if TYPE_CHECKING:
     from transformer_lens import HookedTransformer
 
+    from mxd_lens.hooks import Writes
+
 
 @dataclass
 class MxDConfig(LayerConfig):
@@ -254,14 +256,24 @@ class MxD(MLPReplacement[MxDConfig]):
         }
 
     @classmethod
-    def from_mlp(cls, model: HookedTransformer, block: int, n_experts: int | None = None, k: int = 1) -> MxD:
+    def from_mlp(
+        cls,
+        model: HookedTransformer,
+        block: int,
+        n_experts: int | None = None,
+        k: int = 1,
+        writes: Writes | None = None,
+    ) -> MxD:
         """An MxD that computes block ``block``'s MLP exactly: E copied, D = sqrt(d_out) W_out and
         every c_n = 1 / sqrt(d_out) (unit rows, as training keeps them), expert 0 always on with
         coefficient 1 (G = 0, b_G = e_0). It shows MxD contains the MLP, and is a warm start for
-        training (hand it to ``Trainer`` as it is)."""
+        training (hand it to ``Trainer`` as it is). It writes at ``writes`` (default
+        ``mxd_lens.hooks.default_writes``: the MLP module on Gemma-2/3 and OLMo-2/3, whose blocks
+        normalise the MLP's output before ``hook_mlp_out``, which no MxD computes; else hook_mlp_out)."""
         from mxd_lens import hooks
 
-        mlp = hooks.dense_mlp(model, block)
+        writes = hooks.default_writes(model) if writes is None else writes
+        mlp = hooks.dense_mlp(model, block, writes)
         n_experts = k if n_experts is None else n_experts
         gated = bool(model.cfg.gated_mlp)
         cfg = MxDConfig(
@@ -274,7 +286,7 @@ class MxD(MLPReplacement[MxDConfig]):
             hidden_form="glu" if gated else "mlp",
             dtype=str(mlp.W_in.dtype).removeprefix("torch."),
             device=str(mlp.W_in.device),
-            metadata=hooks.layer_metadata(model, block),
+            metadata=hooks.layer_metadata(model, block, writes),
         )
         mxd = cls(cfg)
         mxd.copy_hidden_from_mlp(model, block)
@@ -284,7 +296,6 @@ class MxD(MLPReplacement[MxDConfig]):
             mxd.b_enc[0] = 1.0
             mxd.W_dec.fill_(cfg.d_out**-0.5)
             mxd.W_out.mul_(cfg.d_out**0.5)
-            mlp = hooks.dense_mlp(model, block)
             # TransformerLens's gated MLP adds b_in after the product: (act(x Wg) * (x Wi) + b_in) W_out.
             # Our b_E sits inside the product, so it stays 0 and b_in W_out is folded into b.
             mxd.b_dec.copy_(mlp.b_out + mlp.b_in @ mlp.W_out if gated else mlp.b_out)
@@ -292,10 +303,13 @@ class MxD(MLPReplacement[MxDConfig]):
 
     @torch.no_grad()
     def copy_hidden_from_mlp(self, model: HookedTransformer, block: int) -> MxD:
-        """Set E, b_E (and the GLU gate) and D to block ``block``'s MLP weights: the warm start."""
+        """Set E, b_E (and the GLU gate) and D to block ``block``'s MLP weights: the warm start. Refused
+        for a layer writing ``hook_mlp_out`` of a block that normalises the MLP's output (the copy would
+        not be what it is trained to write: ``mxd_lens.hooks.dense_mlp``)."""
         from mxd_lens import hooks
 
-        mlp = hooks.dense_mlp(model, block)
+        parsed = hooks.parse_out_hook(self.cfg.metadata.hook_name_out)
+        mlp = hooks.dense_mlp(model, block, parsed[1] if parsed else hooks.default_writes(model))
         gated = bool(model.cfg.gated_mlp)
         if (self.cfg.hidden_form == "glu") != gated or tuple(mlp.W_in.shape) != tuple(self.W_in.shape):
             raise ValueError(
