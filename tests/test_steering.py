@@ -226,3 +226,24 @@ def test_steering_study_end_to_end_on_a_toy_suite(tmp_path, monkeypatch):
         run_study(
             "steer", model, SteerOptions(layers=str(tmp_path / "final"), k=3, tasks=["x/y"]), tmp_path / "bad"
         )
+
+
+def test_summary_markdown_pivots_cells_and_counts_usable_features():
+    import pandas as pd
+
+    rows = []
+    # two MxD layers share a method: each gets its own row, labelled by name
+    for name, method, concept in [("a", "MxD", [0.0, 0.2, 0.5]), ("b", "MxD", [0.0, 0.05, 0.3]),
+                                  ("t", "Transcoder", [0.0, 0.0, 0.0])]:  # fmt: skip
+        for task in ["x/1", "y/2"]:
+            for m, c, ppl in zip([0.0, 2.0, 8.0], concept, [40.0, 100.0, 900.0], strict=True):
+                rows.append(dict(task=task, method=method, name=name, feature=7, multiple=m,
+                                 concept=c, perplexity=ppl))  # fmt: skip
+    text = steering.summary_markdown(pd.DataFrame(rows))
+    lines = text.splitlines()
+    assert lines[0] == "| task | layer (feature) | 0× | 2× | 8× |"
+    assert "| x/1 | a (7) | 0.000 / 40 | 0.200 / 100 | 0.500 / 900 |" in lines
+    assert "| y/2 | Transcoder (7) | 0.000 / 40 | 0.000 / 100 | 0.000 / 900 |" in lines
+    # a reaches 0.2 at perplexity 100 on both tasks; b only at perplexity 900 (> 500); t never
+    assert lines[-1].endswith("a 2/2, b 0/2, Transcoder 0/2")
+    assert list(steering._labels(pd.DataFrame(rows)).unique()) == ["a", "b", "Transcoder"]

@@ -259,10 +259,11 @@ def plot_sweep(
     tasks = list(dict.fromkeys(table["task"]))
     fig = Figure(figsize=(4.2 * len(tasks), 3.8), layout="tight")
     axes = fig.subplots(1, len(tasks), squeeze=False)
+    labels = _labels(table)
     for ax, task in zip(axes[0], tasks, strict=True):
-        for method, rows in table[table.task == task].groupby("method", sort=False):
+        for label, rows in table[table.task == task].groupby(labels, sort=False):
             rows = rows.sort_values("multiple")
-            ax.plot(rows[fluency], rows[concept], marker="o", label=method)
+            ax.plot(rows[fluency], rows[concept], marker="o", label=label)
             for _, r in rows.iterrows():
                 ax.annotate(f"{r.multiple:g}", (r[fluency], r[concept]), fontsize=6, alpha=0.7)
         ax.set_xscale("log")
@@ -279,3 +280,53 @@ def plot_sweep(
     if path is not None:
         fig.savefig(path, dpi=120)
     return fig
+
+
+def _labels(table: pd.DataFrame) -> pd.Series:
+    """One label per steered layer: its method, or its name where several layers share a method (three
+    MxD gates in one sweep would otherwise be drawn as one line)."""
+    if "name" not in table or "method" not in table:
+        return table["method"] if "method" in table else table["name"]
+    per_method = table.groupby("method")["name"].nunique()
+    shared = set(per_method[per_method > 1].index)
+    return table.apply(lambda r: r["name"] if r["method"] in shared else r["method"], axis=1)
+
+
+def summary_markdown(
+    table: pd.DataFrame,
+    concept: str = "concept",
+    fluency: str = "perplexity",
+    min_concept: float = 0.1,
+    max_perplexity: float = 500.0,
+) -> str:
+    """A sweep's table as a reader wants it: one row per (task, layer), ``P(concept) / perplexity`` at
+    each multiple, and per layer the number of tasks where some multiple reaches ``concept >=
+    min_concept`` at ``perplexity <= max_perplexity`` (a feature that moves the text toward the concept
+    without breaking it). Rebuilds the docs' steering tables from a ``steering.csv``."""
+    labels = _labels(table).rename("layer")
+    frame = table.assign(layer=labels)
+    multiples = sorted(frame["multiple"].unique())
+    lines = [
+        "| task | layer (feature) | " + " | ".join(f"{m:g}×" for m in multiples) + " |",
+        "|:---|:---|" + "---:|" * len(multiples),
+    ]
+    hits: dict[str, int] = {}
+    for (task, layer), rows in frame.groupby(["task", "layer"], sort=False):
+        by_multiple = rows.set_index("multiple")
+        cells = [
+            f"{by_multiple.at[m, concept]:.3f} / {by_multiple.at[m, fluency]:.0f}"
+            if m in by_multiple.index
+            else ""
+            for m in multiples
+        ]
+        feature = f" ({int(rows['feature'].iloc[0])})" if "feature" in rows else ""
+        lines.append(f"| {task} | {layer}{feature} | " + " | ".join(cells) + " |")
+        good = (rows[concept] >= min_concept) & (rows[fluency] <= max_perplexity) & (rows["multiple"] > 0)
+        hits[layer] = hits.get(layer, 0) + int(good.any())
+    n_tasks = frame["task"].nunique()
+    lines += [
+        "",
+        f"tasks where a multiple reaches P(concept) >= {min_concept:g} at perplexity <= {max_perplexity:g}: "
+        + ", ".join(f"{layer} {n}/{n_tasks}" for layer, n in hits.items()),
+    ]
+    return "\n".join(lines)

@@ -24,7 +24,7 @@ def run(model: Any, options: SteerOptions, out: Path | None, progress: bool = Tr
     from mxd_lens import hooks
     from mxd_lens.analysis.inspect import contexts_title, to_html, top_contexts
     from mxd_lens.analysis.probing import PooledCache
-    from mxd_lens.analysis.steering import PerplexityScorer, plot_sweep, sweep
+    from mxd_lens.analysis.steering import PerplexityScorer, plot_sweep, summary_markdown, sweep
     from mxd_lens.layers.io import load_layers
 
     # layers at this K, and layers from elsewhere that have none (JumpReLU transcoders)
@@ -58,7 +58,7 @@ def run(model: Any, options: SteerOptions, out: Path | None, progress: bool = Tr
         tables=tables,
         figures={"steering.png": plot_sweep(table)},
         pages=pages,
-        text=table.drop(columns=["example"]).round(3).to_markdown(index=False),
+        text=summary_markdown(table),
         value=table,
     )
 
