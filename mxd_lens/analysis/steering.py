@@ -257,7 +257,7 @@ def plot_sweep(
     from matplotlib.figure import Figure
 
     tasks = list(dict.fromkeys(table["task"]))
-    fig = Figure(figsize=(4.2 * len(tasks), 3.8), layout="tight")
+    fig = Figure(figsize=(4.2 * len(tasks), 4.4), layout="constrained")
     axes = fig.subplots(1, len(tasks), squeeze=False)
     labels = _labels(table)
     for ax, task in zip(axes[0], tasks, strict=True):
@@ -271,7 +271,9 @@ def plot_sweep(
         ax.set_title(task, fontsize=9)
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("P(concept), concept probe")
-    axes[0][-1].legend(fontsize=8)
+    handles, names = axes[0][0].get_legend_handles_labels()
+    # below the panels: inside one it hides the points it labels
+    fig.legend(handles, names, loc="outside lower center", ncol=min(len(names), 3), fontsize=8)
     fig.suptitle(
         "Steering one feature: concept strength against fluency (lower perplexity = more fluent); "
         "point labels are alpha in units of the feature's max activation",
