@@ -3,7 +3,9 @@ previous implementation, on SmolLM2-135M with 9 learners, side by side in one ru
 
     python benchmarks/eval_speed.py                                   # 9 learners at block 15
     python benchmarks/eval_speed.py --blocks 5 15 25                  # 3 learners at each of 3 blocks
-    python benchmarks/eval_speed.py --batches 2 --rows 2 --repeats 1  # smoke run
+    python benchmarks/eval_speed.py --batches 2 --rows 2 --repeats 1  # a short run
+    python benchmarks/eval_speed.py --large-vocab                     # a 262,144-token vocabulary
+    python benchmarks/eval_speed.py --smoke                           # a few seconds, either case
 
 The floor is what a spliced evaluation cannot avoid, per batch: one clean forward of the whole model,
 per learner the learner on its block's clean MLP input plus one forward from that block on, and per
@@ -16,6 +18,12 @@ each layer computed twice), loaded with ``git show``.
 Every variant is run round-robin, the order rotated each round; the table shows the median over
 ``--repeats`` rounds (after one warm-up round), and the evaluations' numbers are checked to agree.
 Learners are randomly initialised (the cost of a layer does not depend on its training).
+
+``--large-vocab`` (issue 30) is the case where the vocabulary, not the model, sets the cost: a tiny random
+TransformerLens model (d_model 64, 2 layers, d_vocab 262,144 as Gemma 3's, n_ctx 128) with one learner
+at block 1, so every forward is dominated by its [tokens, 262,144] logits and everything computed over
+them (log-softmax, CE, KL). There ``dense`` is ``evaluate`` as of commit DENSE (log-probabilities of the
+whole batch, clean and spliced, kept at once), in place of ``previous``.
 """
 
 from __future__ import annotations
@@ -38,13 +46,15 @@ from mxd_lens.models import DEFAULT_MODEL, load_model
 from mxd_lens.training import LearnerSpec, build_layer
 
 PREVIOUS = "f347acf"  # main before the evaluation rewrite
+DENSE = "deba1f2"  # main before the vocabulary-sized work was chunked (issue 30)
+LARGE_VOCAB = 262_144  # Gemma 3's
 
 
-def previous_evaluate():
-    """``evaluate`` as it was at PREVIOUS, from git."""
+def previous_evaluate(commit: str = PREVIOUS):
+    """``evaluate`` as it was at ``commit``, from git."""
     root = Path(__file__).resolve().parent.parent
     source = subprocess.run(
-        ["git", "show", f"{PREVIOUS}:mxd_lens/evaluation.py"],
+        ["git", "show", f"{commit}:mxd_lens/evaluation.py"],
         cwd=root,
         check=True,
         capture_output=True,
@@ -53,7 +63,7 @@ def previous_evaluate():
     # it calls hooks.block_of by its old name, removed in 0.2.0
     source = source.replace("hooks.layer_index(", "hooks.block_of(")
     module = types.ModuleType("previous_evaluation")
-    exec(compile(source, f"{PREVIOUS}:mxd_lens/evaluation.py", "exec"), module.__dict__)
+    exec(compile(source, f"{commit}:mxd_lens/evaluation.py", "exec"), module.__dict__)
     return module.evaluate
 
 
@@ -97,18 +107,33 @@ def main(argv=None, model=None) -> dict:
     )
     parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument(
-        "--blocks", type=int, nargs="+", default=[15], help="learners spread over these blocks"
+        "--blocks",
+        type=int,
+        nargs="+",
+        help="learners spread over these blocks (default 15; 1 with --large-vocab)",
     )
-    parser.add_argument("--learners", type=int, default=9)
+    parser.add_argument("--learners", type=int, help="default 9; 1 with --large-vocab")
     parser.add_argument("--batches", type=int, default=4)
     parser.add_argument("--rows", type=int, default=8, help="token rows per batch")
     parser.add_argument("--context", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--no-previous", action="store_true", help="skip the previous implementation")
+    parser.add_argument(
+        "--large-vocab",
+        action="store_true",
+        help=f"a tiny random model with a {LARGE_VOCAB:,}-token vocabulary instead of --model",
+    )
+    parser.add_argument("--smoke", action="store_true", help="1 batch of 2 rows of 32 tokens, 1 round")
     args = parser.parse_args(argv)
+    if args.smoke:
+        args.batches, args.rows, args.context, args.repeats = 1, 2, 32, 1
+    large = args.large_vocab and model is None
+    args.blocks = args.blocks or ([1] if large else [15])
+    args.learners = args.learners or (1 if large else 9)
 
     torch.manual_seed(0)
-    model = model if model is not None else load_model(args.model)
+    if model is None:
+        model = large_vocab_model() if large else load_model(args.model)
     info = ModelActivations(model, sorted(set(args.blocks)), lambda: iter(()), args.context).info
     archs, ks = ("mxd", "transcoder", "skip_transcoder"), (16, 32, 64)
     specs = [
@@ -133,12 +158,22 @@ def main(argv=None, model=None) -> dict:
         "ours, no baselines": lambda: evaluate(model, named, batches, baselines=False, progress=False),
     }
     if not args.no_previous:
-        previous = previous_evaluate()
-        variants["previous"] = lambda: previous(model, named, batches, progress=False)
+        previous = previous_evaluate(DENSE if large else PREVIOUS)
+        variants["dense" if large else "previous"] = lambda: previous(model, named, batches, progress=False)
     results = {name: fn() for name, fn in variants.items()}  # warm-up round, and the numbers to compare
-    for name in ("ours, no baselines", "previous"):
+    for name in ("ours, no baselines", "previous", "dense"):
         for a, b in zip(results[name], results["ours"], strict=True) if name in results else []:
-            for key in ("ce_spliced", "kl", "fvu", "l0", "dead_fraction"):
+            for key in (
+                "ce_spliced",
+                "kl",
+                "fvu",
+                "l0",
+                "dead_fraction",
+                "ce_zero_ablation",
+                "ce_mean_ablation",
+            ):
+                if key not in a:  # no baselines
+                    continue
                 assert abs(a[key] - b[key]) <= 1e-4 * max(1.0, abs(b[key])), (
                     name,
                     a["name"],
@@ -167,6 +202,27 @@ def main(argv=None, model=None) -> dict:
         print(f"| {name} | {t:.2f} | {t / its:.2f} | {t / median['ours']:.2f} |")
     sys.stdout.flush()
     return median
+
+
+def large_vocab_model():
+    """A tiny random model whose cost is its vocabulary: d_model 64, 2 layers, Gemma 3's 262,144 tokens."""
+    from transformer_lens import HookedTransformer, HookedTransformerConfig
+
+    cfg = HookedTransformerConfig(
+        n_layers=2,
+        d_model=64,
+        d_head=16,
+        n_heads=4,
+        d_mlp=256,
+        n_ctx=128,
+        d_vocab=LARGE_VOCAB,
+        act_fn="gelu_new",
+        normalization_type="LN",
+        model_name=f"tiny-vocab-{LARGE_VOCAB}",
+        seed=0,
+        device="cpu",
+    )
+    return HookedTransformer(cfg).eval()
 
 
 if __name__ == "__main__":

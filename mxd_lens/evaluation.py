@@ -55,7 +55,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from mxd_lens import hooks
@@ -136,6 +135,7 @@ def evaluate(
     y_sum: dict[tuple[int, str], torch.Tensor] = {}  # Σ y and Σ ||y||² per target (float64), FVU's variance
     y_sq: dict[tuple[int, str], float] = {}
     kept: list[tuple[dict[int, torch.Tensor], torch.Tensor]] = []  # residuals for the mean-ablation pass
+    scorer = _VocabScorer()
     n_pred = n_tokens = 0
     for tokens in tqdm(batches, desc="evaluating", unit="batch", disable=not progress):
         if tokens.shape[1] - 1 <= first:
@@ -147,11 +147,11 @@ def evaluate(
             with hooks.capture_mlp_io(model, blocks, resid=resid_blocks, module_out=module_blocks) as io:
                 logits, cache = model.run_with_cache(tokens, names_filter=resid_names)
             resid = {b: cache[f"blocks.{b}.hook_resid_pre"] for b in blocks}
-            clean_logp = F.log_softmax(logits[:, first:-1].float(), dim=-1)
-            clean_p = clean_logp.exp()  # once per batch, shared by every variant's KL
-            target = tokens[:, first + 1 :].to(clean_logp.device)
+            target = tokens[:, first + 1 :].to(logits.device)
             n_pred += target.numel()
-            clean_sum = _ce_sum(clean_logp, target)
+            # the clean logits and their per-token log-normaliser: all every variant's KL needs of them
+            clean = (logits[:, first:-1], scorer.log_normaliser(logits[:, first:-1]))
+            clean_sum = scorer.ce(clean[0], target, clean[1])
             _add(sums, "ce_clean", clean_sum)
             if baselines:
                 kept.append(({b: r.cpu() for b, r in resid.items()}, target.cpu()))
@@ -162,15 +162,21 @@ def evaluate(
                 y_sq[target_at] = y_sq.get(target_at, 0.0) + float(y.pow(2).sum())
             n_tokens += io[blocks[0]]["out"][:, skip:].shape[:2].numel()
 
-            clean = (clean_logp, clean_p)
             for name, layer in named.items():
                 block, rep = index[name], reps[name]
                 x = io[block]["resid" if rep.reads == "resid" else "in"]
                 y = io[block][hooks.output_key(rep.writes)]  # what the layer replaces
                 out, values, idx = rep.forward_sparse(x)
                 out = out.to(y.dtype)
-                spliced = _run_from(model, resid, block, {block: out}, rep.writes)
-                ce_sum, kl_sum = _score(sums, f"splice:{name}", spliced, target, clean, first)
+                ce_sum, kl_sum = _score(
+                    sums,
+                    f"splice:{name}",
+                    _run_from(model, resid, block, {block: out}, rep.writes),
+                    target,
+                    scorer,
+                    clean,
+                    first,
+                )
                 per_batch[name].append(((ce_sum - clean_sum) / target.numel(), kl_sum / target.numel()))
                 out, values, idx = out[:, skip:], values[:, skip:], idx[:, skip:]
                 x_kept, y_kept = x[:, skip:], y[:, skip:]
@@ -198,6 +204,7 @@ def evaluate(
                         f"zero:{block}",
                         _run_from(model, resid, block, {block: zero}),
                         target,
+                        scorer,
                         None,
                         first,
                     )
@@ -208,6 +215,7 @@ def evaluate(
                         "together:None",
                         model(resid[blocks[0]], start_at_layer=blocks[0]),
                         target,
+                        scorer,
                         clean,
                         first,
                     )
@@ -221,10 +229,8 @@ def evaluate(
                 for block in blocks:
                     r = resid[block].to(model.cfg.device)
                     mean = means[block].to(r.dtype).expand_as(r)
-                    logp = F.log_softmax(
-                        _run_from(model, {block: r}, block, {block: mean})[:, first:-1].float(), -1
-                    )
-                    _add(sums, f"ce:mean:{block}", _ce_sum(logp, target.to(logp.device)))
+                    logits = _run_from(model, {block: r}, block, {block: mean})[:, first:-1]
+                    _add(sums, f"ce:mean:{block}", scorer.ce(logits, target.to(logits.device)))
 
     ce_clean = sums["ce_clean"] / n_pred
     rows = []
@@ -299,19 +305,107 @@ def _row(
 
 
 def _score(
-    sums, label: str, logits: torch.Tensor, target: torch.Tensor, clean=None, first: int = 0
+    sums,
+    label: str,
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    scorer: _VocabScorer,
+    clean: tuple[torch.Tensor, torch.Tensor] | None = None,
+    first: int = 0,
 ) -> tuple[float, float]:
-    """Add a variant's CE (and, given the clean (log p, p), its KL from the clean model) to ``sums``,
-    over the predictions made at positions ``first`` and later; return this batch's (CE sum, KL sum)."""
-    logp = F.log_softmax(logits[:, first:-1].float(), dim=-1)
-    ce = _ce_sum(logp, target)
+    """Add a variant's CE (and, given the clean (logits, log-normaliser), its KL from the clean model)
+    to ``sums``, over the predictions made at positions ``first`` and later; return this batch's (CE sum,
+    KL sum)."""
+    ce, kl = scorer.ce_kl(logits[:, first:-1], target, clean)
     _add(sums, f"ce:{label}", ce)
-    kl = 0.0
     if clean is not None:
-        clean_logp, clean_p = clean
-        kl = float((clean_p * (clean_logp - logp)).sum())
         _add(sums, f"kl:{label}", kl)
     return ce, kl
+
+
+_CHUNK_ELEMENTS = 1 << 22
+"""Most elements in one block of the vocabulary-sized work (16 MiB in float32: 16 tokens of a 262,144-token
+vocabulary). With Gemma 3's vocabulary a batch's log-probabilities are a gigabyte per [batch, context,
+vocab] tensor, and glibc hands each freed one back to the kernel, so computing them whole spent half the
+evaluation in page faults; blocks this size stay in the scratch buffers allocated once per evaluation."""
+
+
+def _token_chunks(
+    n_batch: int, n_pos: int, vocab: int, budget: int | None = None
+) -> list[tuple[slice, slice]]:
+    """(rows, positions) index pairs covering a [n_batch, n_pos] grid of tokens, each block at most
+    ``budget`` (default ``_CHUNK_ELEMENTS``) tokens × ``vocab`` elements but at least one token: whole rows
+    together when a row fits, else pieces of one row (the last one ragged). Blocks are views of
+    ``logits[:, first:-1]`` without copying it, whatever ``first``."""
+    per = max(1, (_CHUNK_ELEMENTS if budget is None else budget) // max(1, vocab))  # tokens per block
+    if per >= n_pos:
+        rows = per // n_pos
+        return [(slice(b, min(b + rows, n_batch)), slice(0, n_pos)) for b in range(0, n_batch, rows)]
+    return [
+        (slice(b, b + 1), slice(p, min(p + per, n_pos))) for b in range(n_batch) for p in range(0, n_pos, per)
+    ]
+
+
+class _VocabScorer:
+    """Next-token CE and KL(clean ‖ variant) of [batch, positions, vocab] logits, computed in blocks of
+    tokens (``_token_chunks``) through two scratch buffers kept for the whole evaluation: no
+    log-probability tensor of a whole batch is ever made, only the logits the model returns.
+
+    Per token, with lse = logsumexp(z) (log-softmax's normaliser): CE = lse − z[target], and since the
+    clean probabilities p = exp(z_clean − lse_clean) sum to 1, KL = Σ p·(log p − log q) =
+    Σ p·(z_clean − z) + lse − lse_clean: the same quantity as the dense Σ p·(log p − log q), differences
+    taken before products as there. Float32 as before; each block's sums are added in Python floats."""
+
+    def __init__(self) -> None:
+        self._scratch: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def _buffers(self, shape: torch.Size, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        n = shape.numel()
+        if self._scratch is None or self._scratch[0].numel() < n or self._scratch[0].device != device:
+            size = max(n, _CHUNK_ELEMENTS)  # every block fits (pages are touched only where used)
+            first, second = (torch.empty(size, dtype=torch.float32, device=device) for _ in range(2))
+            self._scratch = (first, second)
+        return self._scratch[0][:n].view(shape), self._scratch[1][:n].view(shape)
+
+    def _lse(self, z: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
+        """logsumexp over the last dimension, through ``buf`` (z's shape) instead of a fresh temporary."""
+        top = z.amax(-1, keepdim=True)
+        torch.sub(z, top, out=buf)
+        return buf.exp_().sum(-1).log_().add_(top.squeeze(-1))
+
+    def log_normaliser(self, logits: torch.Tensor) -> torch.Tensor:
+        """Per-token logsumexp of [batch, positions, vocab] logits, as a [batch, positions] float32 tensor."""
+        out = torch.empty(logits.shape[:2], device=logits.device)
+        for rows, pos in _token_chunks(*logits.shape):
+            z = logits[rows, pos].float()
+            out[rows, pos] = self._lse(z, self._buffers(z.shape, z.device)[0])
+        return out
+
+    def ce(self, logits: torch.Tensor, target: torch.Tensor, lse: torch.Tensor | None = None) -> float:
+        """Σ −log softmax(logits)[target] over every token (``lse``: the logits' log-normaliser, if known)."""
+        return self.ce_kl(logits, target, None, lse)[0]
+
+    def ce_kl(
+        self,
+        logits: torch.Tensor,
+        target: torch.Tensor,
+        clean: tuple[torch.Tensor, torch.Tensor] | None = None,
+        lse: torch.Tensor | None = None,
+    ) -> tuple[float, float]:
+        """(Σ CE, Σ KL(clean ‖ these)) over every token of ``logits`` [batch, positions, vocab] with
+        ``target`` [batch, positions]; KL 0.0 without ``clean`` = (clean logits, their log-normaliser)."""
+        ce = kl = 0.0
+        for rows, pos in _token_chunks(*logits.shape):
+            z = logits[rows, pos].float()
+            buf, other = self._buffers(z.shape, z.device)
+            z_lse = self._lse(z, buf) if lse is None else lse[rows, pos]
+            ce += float((z_lse - z.gather(-1, target[rows, pos].unsqueeze(-1)).squeeze(-1)).sum())
+            if clean is not None:
+                zc, clean_lse = clean[0][rows, pos].float(), clean[1][rows, pos]
+                p = torch.sub(zc, clean_lse.unsqueeze(-1), out=buf).exp_()
+                diff = torch.sub(zc, z, out=other)
+                kl += float(torch.dot(p.view(-1), diff.view(-1))) + float((z_lse - clean_lse).sum())
+        return ce, kl
 
 
 def _standard_errors(per_batch: Sequence[tuple[float, float]]) -> dict[str, float]:
@@ -370,10 +464,6 @@ def _run_from(
 
     with hooks.replacing_outputs(model, {(b, writes): replace(v) for b, v in outputs.items()}):
         return model(resid[block], start_at_layer=block)
-
-
-def _ce_sum(logp: torch.Tensor, target: torch.Tensor) -> float:
-    return float(-logp.gather(-1, target.unsqueeze(-1)).sum())
 
 
 def _add(sums: dict[str, float], key: str, value: float) -> None:

@@ -58,6 +58,20 @@ def test_eval_speed_runs_on_a_tiny_model_and_the_evaluations_agree(capsys):
     assert "| ours | " in capsys.readouterr().out
 
 
+def test_eval_speed_large_vocabulary_smoke_run_agrees_with_the_dense_evaluation(capsys):
+    """--large-vocab --smoke: one 2 x 32 batch through a 262,144-token vocabulary; the benchmark asserts
+    that the chunked evaluation and the dense one (commit DENSE) give the same numbers."""
+    import subprocess
+
+    import eval_speed
+
+    root = Path(__file__).resolve().parents[1]
+    history = subprocess.run(["git", "cat-file", "-e", eval_speed.DENSE], cwd=root).returncode == 0
+    median = eval_speed.main(["--large-vocab", "--smoke"] + ([] if history else ["--no-previous"]))
+    assert set(median) >= {"floor", "ours"} and ("dense" in median) == history
+    assert "tiny-vocab-262144" in capsys.readouterr().out
+
+
 def test_mix_texts_interleaves_by_volume_and_keeps_every_document(tmp_path):
     from mxd_lens import data
     from mxd_lens.cli import main
