@@ -10,7 +10,7 @@ previous implementation, on SmolLM2-135M with 9 learners, side by side in one ru
 The floor is what a spliced evaluation cannot avoid, per batch: one clean forward of the whole model,
 per learner the learner on its block's clean MLP input plus one forward from that block on, and per
 block the two baselines (zero- and mean-ablated MLP output), each one forward from that block on; every
-forward ends in log-softmax and CE. ``ours`` is ``evaluate`` as it is now (it adds KL, FVU / L0 / dead
+forward ends in CE, computed a few rows at a time (`_ce`: no whole-batch log-probabilities). ``ours`` is ``evaluate`` as it is now (it adds KL, FVU / L0 / dead
 counts, and the mean over the held-out tokens that mean-ablation needs); ``ours, no baselines`` is
 ``evaluate(baselines=False)``, against the floor without the baseline forwards; ``previous`` is
 ``evaluate`` as of commit PREVIOUS (every variant from the first block, a separate pass for the means,
@@ -37,7 +37,6 @@ import types
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from mxd_lens import hooks
 from mxd_lens.activations import ModelActivations
@@ -68,6 +67,19 @@ def previous_evaluate(commit: str = PREVIOUS):
 
 
 @torch.inference_mode()
+def _ce(logits: torch.Tensor, target: torch.Tensor, budget: int = 1 << 22) -> float:
+    """Summed next-token CE, a few rows of [tokens, vocab] at a time (``budget`` logits): the cheapest
+    way to compute it, so the floor does not pay for a whole batch's log-probabilities (F.cross_entropy
+    over the batch makes one, which on a 262k vocabulary costs more than the forward)."""
+    z, t = logits.flatten(0, 1), target.flatten()
+    rows = max(1, budget // z.shape[-1])
+    total = 0.0
+    for i in range(0, z.shape[0], rows):
+        block = z[i : i + rows].float()
+        total += float((torch.logsumexp(block, -1) - block.gather(-1, t[i : i + rows, None])[:, 0]).sum())
+    return total
+
+
 def floor(model, named, batches, baselines: bool = True) -> float:
     """The unavoidable work, returned as total CE (so it is computed, not skipped)."""
     blocks = sorted({hooks.block_of(layer) for layer in named.values()})
@@ -77,25 +89,19 @@ def floor(model, named, batches, baselines: bool = True) -> float:
         target = tokens[:, 1:]
         with hooks.capture_mlp_io(model, blocks) as io:
             logits, cache = model.run_with_cache(tokens, names_filter=names)
-        total += float(
-            F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), target.flatten(), reduction="sum")
-        )
+        total += _ce(logits[:, :-1], target)
         for layer in named.values():
             block = hooks.block_of(layer)
             out = layer.forward_sparse(io[block]["in"])[0]
             with model.hooks(fwd_hooks=[(hooks.mlp_out_hook(block), lambda o, hook, out=out: out)]):
                 logits = model(cache[f"blocks.{block}.hook_resid_pre"], start_at_layer=block)
-            total += float(
-                F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), target.flatten(), reduction="sum")
-            )
+            total += _ce(logits[:, :-1], target)
         for block in blocks if baselines else []:
             for value in (0.0, 1.0):  # zero- and (a stand-in for) mean-ablation
                 ablate = lambda o, hook, value=value: torch.full_like(o, value)  # noqa: E731
                 with model.hooks(fwd_hooks=[(hooks.mlp_out_hook(block), ablate)]):
                     logits = model(cache[f"blocks.{block}.hook_resid_pre"], start_at_layer=block)
-                total += float(
-                    F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), target.flatten(), reduction="sum")
-                )
+                total += _ce(logits[:, :-1], target)
     return total
 
 
