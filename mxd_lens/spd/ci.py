@@ -79,9 +79,11 @@ def _normal(generator: torch.Generator, std: float, *shape: int) -> nn.Parameter
     return nn.Parameter(torch.randn(shape, generator=generator) * std)
 
 
-CHUNK_ELEMENTS = 1 << 21
-"""Hidden elements (rows x C·H) the chunked vector MLP computes at once: ~8 MB of fp32, so that a chunk's
-pre-activation, GELU and products stay in the CPU's cache instead of streaming through memory."""
+CHUNK_ELEMENTS = 1 << 20
+"""Hidden elements (rows x C·H) the chunked vector MLP computes at once: 4 MB of fp32, so that a chunk's
+pre-activation, GELU and products stay in the CPU's cache instead of streaming through memory. (On one
+core of an AMD EPYC with 1 MB L2 and 32 MB L3 per 2 cores, 2^18..2^20 were fastest, 2^22 ~1.7x slower
+at C = 100, H = 128.)"""
 
 
 class ChunkedVectorMLP(torch.autograd.Function):
@@ -156,6 +158,31 @@ class ChunkedVectorMLP(torch.autograd.Function):
         return grad_x, grad_weights[:, :d_in], grad_weights[:, d_in:], grad_w_out, grad_b_out, None
 
 
+def distinct_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(rows, inverse) with ``rows[inverse]`` bit for bit ``x`` [N, d] and rows distinct, or None when
+    every row of x is distinct. ``torch.unique(x, dim=0)`` does the same with a per-row loop (~5 ms for
+    1,024 rows of 16 on a CPU); here each row's bits are hashed to one int64 and the keys sorted, and the
+    result is checked bit for bit, falling back to ``torch.unique`` on a hash collision."""
+    bits = x.contiguous().view(_BITS[x.element_size()]).long()  # the rows' bit patterns
+    multipliers = _hash_multipliers(x.shape[1], x.device)
+    keys, inverse = torch.unique((bits * multipliers).sum(1), return_inverse=True)  # int64 wraps around
+    if keys.shape[0] == x.shape[0]:
+        return None
+    first = torch.empty_like(keys).scatter_(0, inverse, torch.arange(x.shape[0], device=x.device))
+    if not torch.equal(bits[first][inverse], bits):  # two rows with one key: do it the slow way
+        rows, inverse = torch.unique(x, dim=0, return_inverse=True)
+        return None if rows.shape[0] == x.shape[0] else (rows, inverse)
+    return x[first], inverse
+
+
+_BITS = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _hash_multipliers(d: int, device: torch.device) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(d)
+    return (torch.randint(-(2**62), 2**62, (d,), generator=generator) * 2 + 1).to(device)
+
+
 class VectorMLPCI(nn.Module):
     """ "vector_mlp": C small MLPs on the whole input, z_c = w_c · GELU(W_c x + b_c) + β_c.
 
@@ -194,9 +221,9 @@ class VectorMLPCI(nn.Module):
         parts, inverses = list(flat.unbind(0)), [None] * M
         if distinct:
             for m in range(M):
-                unique, inverse = torch.unique(parts[m], dim=0, return_inverse=True)
-                if unique.shape[0] < n:  # all distinct: keep the rows as they are (no gather)
-                    parts[m], inverses[m] = unique, inverse
+                found = distinct_rows(parts[m])
+                if found is not None:
+                    parts[m], inverses[m] = found
         counts = tuple(part.shape[0] for part in parts)
         if chunked:
             rows = flat.reshape(M * n, d_in) if counts == (n,) * M else torch.cat(parts)
