@@ -54,21 +54,22 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--hidden", type=int, nargs="+", default=[16, 128], help="CI hidden widths H (16 128)")
+    p.add_argument("--hidden", type=int, nargs="+", help="CI hidden widths H (default 16 128; --smoke: 16)")
     p.add_argument("--C", type=int, default=100, help="components per module (default 100)")
     p.add_argument("--batch", type=int, default=16, help="sequences per step (default 16)")
     p.add_argument("--seq-len", type=int, default=64, help="tokens per sequence (default 64)")
     p.add_argument("--steps", type=int, default=5, help="timed rounds (default 5)")
     p.add_argument("--warmup", type=int, default=1, help="untimed rounds first (default 1)")
     p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (default 1)")
-    p.add_argument("--smoke", action="store_true", help="a few seconds: batch 2, H 16 and 32, 1 round")
+    p.add_argument("--smoke", action="store_true", help="a few seconds: batch 2, H 16, 1 round")
     p.add_argument(
         "--mallopt", action="store_true", help="also time the new step with and without keep_freed_memory()"
     )
     p.add_argument("--child", choices=("plain", "mallopt"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.smoke:
-        args.hidden, args.batch, args.steps, args.warmup = [16, 32], 2, 1, 1
+        args.batch, args.steps, args.warmup = 2, 1, 1
+    args.hidden = args.hidden or ([16] if args.smoke else [16, 128])
     for name in ("C", "batch", "seq_len", "steps", "threads"):
         if getattr(args, name) <= 0:
             p.error(f"--{name.replace('_', '-')} must be positive")
