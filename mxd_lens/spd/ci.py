@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 LEAK = 0.01
 CI_VERSION = 1
@@ -129,6 +130,7 @@ class ChunkedVectorMLP(torch.autograd.Function):
         return z
 
     @staticmethod
+    @once_differentiable
     def backward(ctx: Any, grad_z: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         rows, weights, w_out = ctx.saved_tensors
         counts = ctx.counts
@@ -160,8 +162,8 @@ class ChunkedVectorMLP(torch.autograd.Function):
 
 def distinct_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(rows, inverse) with ``rows[inverse]`` bit for bit ``x`` [N, d] and rows distinct, or None when
-    every row of x is distinct. ``torch.unique(x, dim=0)`` does the same with a per-row loop (~5 ms for
-    1,024 rows of 16 on a CPU); here each row's bits are hashed to one int64 and the keys sorted, and the
+    every row of x is distinct. ``torch.unique(x, dim=0)`` does the same with a per-row loop (2–5 ms for
+    1,024 rows of 16 on a CPU, 8 calls a step); here each row's bits are hashed to one int64 and the keys sorted, and the
     result is checked bit for bit, falling back to ``torch.unique`` on a hash collision."""
     bits = x.contiguous().view(_BITS[x.element_size()]).long()  # the rows' bit patterns
     multipliers = _hash_multipliers(x.shape[1], x.device)
@@ -175,7 +177,7 @@ def distinct_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     return x[first], inverse
 
 
-_BITS = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def _hash_multipliers(d: int, device: torch.device) -> torch.Tensor:
