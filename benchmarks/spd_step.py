@@ -3,6 +3,7 @@
     python benchmarks/spd_step.py                  # H 16 and H 128, 5 timed steps each (a few minutes)
     python benchmarks/spd_step.py --smoke          # a few seconds: tiny batch, one timed step
     python benchmarks/spd_step.py --mallopt        # also: both steps in child processes without and with keep_freed_memory()
+    python benchmarks/spd_step.py --each           # also: each speed-up alone
 
 The setup is the toy induction study's ``ref-token-subset`` variant (reference recipe: C = 100, token CI,
 stochastic + layerwise + subset + CI-masked reconstruction, 11 runs fused into one forward), batch 16 x
@@ -65,6 +66,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--mallopt", action="store_true", help="also time the new step with and without keep_freed_memory()"
     )
+    p.add_argument("--each", action="store_true", help="also time each speed-up alone (in-process table)")
     p.add_argument(
         "--rounds", type=int, default=3, help="--mallopt: pairs of child processes, alternating (default 3)"
     )
@@ -105,13 +107,17 @@ def compare(args: argparse.Namespace, hidden: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         trainers = {"old": build(args, hidden, Path(tmp) / "old", False)}
         trainers["new"] = build(args, hidden, Path(tmp) / "new", True)
+        for flag in FLAGS if args.each else ():  # one speed-up alone
+            trainers[flag] = build(args, hidden, Path(tmp) / flag, False)
+            setattr(trainers[flag].decomposition, flag, True)
         batches = trainers["old"].batches
         times: dict[str, list[float]] = {key: [] for key in trainers}
         faults: dict[str, list[int]] = {key: [] for key in trainers}
         first, worst = {}, {term: 0.0 for term in TERMS}
         for step in range(args.warmup + args.steps):
             tokens = batches(step)
-            order = list(trainers) if step % 2 == 0 else list(trainers)[::-1]
+            keys = list(trainers)
+            order = keys[step % len(keys) :] + keys[: step % len(keys)]  # rotated every step
             metrics = {}
             for key in order:
                 faults0, t0 = _minor_faults(), time.perf_counter()
@@ -216,6 +222,14 @@ def run(argv: Sequence[str] | None = None) -> dict:
         results.append(compare(args, hidden))
         print(_row(f"H {hidden}", results[-1]))
         sys.stdout.flush()
+    if args.each:
+        print()
+        print("| H | " + " | ".join(f"`{flag}` alone: old / it" for flag in FLAGS) + " | all: old / new |")
+        print("|---:|" + "---:|" * (len(FLAGS) + 1))
+        for res in results:
+            s = res["median_s"]
+            alone = " | ".join(f"{s['old'] / s[flag]:.2f}" for flag in FLAGS)
+            print(f"| {res['hidden']} | {alone} | {res['ratio']:.2f} |")
     out: dict = {"args": vars(args), "results": results}
     if args.mallopt:
         out["mallopt"] = mallopt_comparison(args, argv)
