@@ -3,6 +3,7 @@
     python benchmarks/layer_speed.py                       # GPT-2 small dims, m = 32, 1,024 tokens
     python benchmarks/layer_speed.py --tokens 64 --m 5 --repeats 1                          # smoke run
     python benchmarks/layer_speed.py --tokens 64 --m 2 --d-model 64 --d-hidden 64 --k 8     # tiny dims
+    python benchmarks/layer_speed.py --mallopt     # each variant without / with keep_freed_memory()
 
 A step is: zero grads (set to None, PyTorch's default), out = f(x), loss = mean((out - y)^2),
 loss.backward(). x does not require grad (as in training, where x is the frozen host's MLP input).
@@ -20,6 +21,10 @@ all of them equally; the table shows the median over --repeats rounds after --wa
 Before timing, each sparse variant's output and parameter gradients are checked against its dense
 reference on the benchmark batch, so the ratios never compare different functions.
 
+``--mallopt``: glibc's allocator settings are process-global, so the whole benchmark runs twice, in two
+child processes one after the other, the second after ``mxd_lens.allocator.keep_freed_memory()`` (what
+the ``mxd-lens`` command line does); the table is each variant's median s/step in both and the ratio.
+
 Sizes: I = O = d_model, H* = d_hidden (the host MLP width), transcoder width H = m * I, and N MxD
 experts from ``mxd_lens.match_experts(H, I, O, H*)`` so that both layers have the same parameters.
 """
@@ -28,18 +33,23 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
 import platform
 import resource
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
-import mxd_lens
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # time this checkout's mxd_lens
+import mxd_lens  # noqa: E402
+import mxd_lens.allocator  # noqa: E402
 
 # --------------------------------------------------------------------------------------------------
 # FLOP model. Counted: matmul-like work only, at 2 FLOPs per multiply-add, T tokens, and nothing
@@ -134,6 +144,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--profile", action="store_true", help="also profile one step of each variant (torch.profiler)"
     )
+    p.add_argument(
+        "--mallopt",
+        action="store_true",
+        help="run in two child processes, without and with keep_freed_memory(), and compare",
+    )
+    p.add_argument("--child", choices=("plain", "mallopt"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     for name in ("tokens", "k", "m", "repeats", "d_model", "d_hidden"):
         if getattr(args, name) <= 0:
@@ -257,7 +273,12 @@ def _own_cpu_s() -> float:
 
 
 def run(argv: Sequence[str] | None = None) -> dict:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
+    if args.mallopt:
+        return mallopt_comparison([a for a in argv if a != "--mallopt"])
+    if args.child == "mallopt" and not mxd_lens.allocator.keep_freed_memory():
+        raise RuntimeError("keep_freed_memory() did not apply (not glibc?)")
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     dims, mxd, tc, x, y = build(args)
@@ -330,7 +351,36 @@ def run(argv: Sequence[str] | None = None) -> dict:
     print_report(result)
     if args.profile:
         result["profile"] = profile(steps)
+    if args.child:
+        print(json.dumps({"median_s": med, "faults_per_step": kernel["faults_per_step"]}))
     return result
+
+
+def mallopt_comparison(argv: Sequence[str]) -> dict:
+    """The benchmark in a child process with the default allocator, then in one after
+    keep_freed_memory(): {setting: {"median_s": {variant: s}, "faults_per_step": n}}."""
+    results = {}
+    for setting in ("plain", "mallopt"):
+        run = subprocess.run(
+            [sys.executable, __file__, *argv, "--child", setting], capture_output=True, text=True, check=True
+        )
+        results[setting] = json.loads(run.stdout.strip().splitlines()[-1])
+    plain, kept = results["plain"], results["mallopt"]
+    print(
+        "Two child processes: the default glibc allocator, then keep_freed_memory() (mxd_lens/allocator.py)"
+    )
+    print()
+    print("| variant | default s/step | keep_freed_memory() s/step | default / kept |")
+    print("|---|---:|---:|---:|")
+    for key, (label, _, _) in VARIANTS.items():
+        a, b = plain["median_s"][key], kept["median_s"][key]
+        print(f"| {label} | {a:.4f} | {b:.4f} | {a / b:.2f} |")
+    print(
+        f"\nminor page faults per step (all variants, Adam steps included): default "
+        f"{plain['faults_per_step']:,.0f}, kept {kept['faults_per_step']:,.0f}"
+    )
+    sys.stdout.flush()
+    return results
 
 
 def print_report(res: dict) -> None:

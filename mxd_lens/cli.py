@@ -10,7 +10,8 @@ import tempfile
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-# Only the light config module at import: `mxd-lens --help` must not wait for torch.
+# Only light modules at import: `mxd-lens --help` must not wait for torch.
+from mxd_lens.allocator import keep_freed_memory
 from mxd_lens.config import (
     DEFAULT_MODEL,
     RECOMMENDED_MXD,
@@ -648,6 +649,8 @@ def _imported_modules(words: list[str]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     global _LINE
+    # Freed big tensors stay in the process (mxd_lens/allocator.py): here only, never on import.
+    keep_freed_memory()
     _LINE = sys.argv[1:] if argv is None else list(argv)
     argv = _joined_negative_values(_LINE)
     argv = _imported_modules(argv)

@@ -20,6 +20,16 @@ def test_layer_speed_runs_on_tiny_dims_and_checks_agreement(capsys):
     assert "MxD sparse / Transcoder sparse" in capsys.readouterr().out
 
 
+def test_spd_step_smoke_compares_old_and_new_steps_on_the_same_losses(capsys):
+    import spd_step
+
+    result = spd_step.run(["--smoke", "--hidden", "8"])
+    (res,) = result["results"]
+    assert res["median_s"]["old"] > 0 and res["median_s"]["new"] > 0
+    assert max(res["rel_diff"].values()) <= 1e-5  # the same losses, to rounding
+    assert "| H 8 |" in capsys.readouterr().out
+
+
 def test_train_throughput_runs_on_a_tiny_model_and_reports_three_ratios(capsys):
     import math
 

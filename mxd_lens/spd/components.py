@@ -50,23 +50,53 @@ class Components(nn.Module):
         delta_mask: torch.Tensor | None,
         routing: torch.Tensor | None,
         delta: bool,
+        routed_rows_only: bool = False,
     ) -> torch.Tensor:
         """y for input x [b, p, d_in], given the host's own output ``original`` = x Wᵀ + b (any trailing
-        shape, e.g. [b, p, heads, d_head]); positions where ``routing`` is False keep ``original``."""
+        shape, e.g. [b, p, heads, d_head]); positions where ``routing`` is False keep ``original``.
+
+        ``routed_rows_only``: compute y only on the batch rows that ``routing`` routes somewhere and copy
+        it into ``original`` (exact: the other rows are ``original`` either way). In a fused forward of
+        all reconstruction runs most rows belong to runs that leave this module alone (the layerwise
+        runs of the other modules), so this skips most of the module's work."""
         o = original.reshape(*original.shape[:2], -1)
-        m = 1.0 if mask is None else mask.to(o)  # masks may come from the CPU (reports)
-        m_delta = 1.0 if delta_mask is None else delta_mask.to(o)[..., None]
+        m = None if mask is None else mask.to(o)  # masks may come from the CPU (reports)
+        m_delta = None if delta_mask is None else delta_mask.to(o)
+        if routing is not None:
+            routing = routing.to(o.device)
+            if routed_rows_only:
+                rows = routing.any(-1).nonzero().squeeze(1)
+                if rows.numel() < routing.shape[0]:
+                    pick = (x, o, m, m_delta, routing)
+                    x, o_rows, m, m_delta, routing = (
+                        None if t is None else t.index_select(0, rows) for t in pick
+                    )
+                    y = self._replace(x, o_rows, m, m_delta, delta)
+                    y = o.index_copy(0, rows, torch.where(routing[..., None], y, o_rows))
+                    return y.reshape(original.shape).to(original.dtype)
+        y = self._replace(x, o, m, m_delta, delta)
+        if routing is not None:
+            y = torch.where(routing[..., None], y, o)
+        return y.reshape(original.shape).to(original.dtype)
+
+    def _replace(
+        self,
+        x: torch.Tensor,
+        o: torch.Tensor,
+        m: torch.Tensor | None,
+        m_delta: torch.Tensor | None,
+        delta: bool,
+    ) -> torch.Tensor:
+        """y = (h ⊙ (m − m_Δ)) U + m_Δ (o − b) + b with h = x V (without ΔW: (h ⊙ m) U + b)."""
         b = 0.0 if self.bias is None else self.bias
         h = x.to(self.V.dtype) @ self.V
         if not delta:
-            y = (h if mask is None else h * m) @ self.U + b
-        elif mask is None and delta_mask is None:
-            y = o
-        else:
-            y = (h * (m - m_delta)) @ self.U + m_delta * (o - b) + b
-        if routing is not None:
-            y = torch.where(routing.to(o.device)[..., None], y, o)
-        return y.reshape(original.shape).to(original.dtype)
+            return (h if m is None else h * m) @ self.U + b
+        if m is None and m_delta is None:
+            return o
+        m = 1.0 if m is None else m
+        m_delta = 1.0 if m_delta is None else m_delta[..., None]
+        return (h * (m - m_delta)) @ self.U + m_delta * (o - b) + b
 
 
 class Decomposition(nn.Module):
@@ -75,6 +105,9 @@ class Decomposition(nn.Module):
     ``ci``: "sequence" (causal attention over the module's inputs, then a vector MLP; arXiv 2511.08854)
     or "token" (vector MLP on the position's own input). ``ci_hidden`` is the MLP width per component
     (and the attention width, unless ``ci_attn_dim``). The host model is referenced, never modified.
+
+    ``ci_chunked``, ``ci_distinct_rows`` (token CI only) and ``routed_rows_only`` switch on exact
+    speed-ups (``VectorMLPCI``, ``Components.forward``); they are attributes, free to change at any time.
     """
 
     def __init__(
@@ -88,6 +121,9 @@ class Decomposition(nn.Module):
         *,
         ci_attn_dim: int | None = None,
         delta: bool = True,
+        ci_chunked: bool = False,
+        ci_distinct_rows: bool = False,
+        routed_rows_only: bool = False,
     ):
         super().__init__()
         if isinstance(C, bool) or not isinstance(C, int) or C <= 0:
@@ -103,6 +139,9 @@ class Decomposition(nn.Module):
         self.names = modules
         self.C, self.ci_type, self.seed, self.delta = C, ci, seed, delta
         self.ci_hidden, self.ci_attn_dim = ci_hidden, ci_attn_dim
+        # Exact speed-ups (they change rounding, never the maths), so not in config(); see SPDConfig.
+        self.ci_chunked, self.ci_distinct_rows = ci_chunked, ci_distinct_rows
+        self.routed_rows_only = routed_rows_only
         self.sites: dict[str, Site] = {name: resolve(model, name) for name in modules}
 
         generator = torch.Generator().manual_seed(seed)
@@ -186,7 +225,9 @@ class Decomposition(nn.Module):
         for group, names in self.ci_groups.items():
             ci = self.ci[group]
             dtype = next(ci.parameters()).dtype
-            z = ci(torch.stack([inputs[name] for name in names]).to(dtype))
+            asked = {"chunked": self.ci_chunked, "distinct": self.ci_distinct_rows}
+            options = {k: True for k, on in asked.items() if on and k in getattr(ci, "options", ())}
+            z = ci(torch.stack([inputs[name] for name in names]).to(dtype), **options)
             g, g_upper = lower_leaky_hard_sigmoid(z), upper_leaky_hard_sigmoid(z)
             out.update({name: (g[i], g_upper[i]) for i, name in enumerate(names)})
         return {name: out[name] for name in self.names}
@@ -241,7 +282,7 @@ class Decomposition(nn.Module):
                         f"{label}[{name!r}] has shape {tuple(tensor.shape)}, expected {shape} "
                         f"(batch, positions{', C' if label == 'masks' else ''}) for this forward"
                     )
-            return part(x, original, mask, delta_mask, routing, self.delta)
+            return part(x, original, mask, delta_mask, routing, self.delta, self.routed_rows_only)
 
         return hook
 

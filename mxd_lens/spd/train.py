@@ -57,7 +57,11 @@ log = logging.getLogger(__name__)
 
 COEFFICIENTS = ("faithfulness", *RECONSTRUCTIONS, "minimality")
 # Settings that may change between a checkpoint and its resumption without changing what is trained.
-_FREE = ("steps", "log_every", "checkpoint_every", "keep_checkpoints")
+# The exact speed-ups (ci_chunked, ci_distinct_rows, routed_rows_only) are free too: they change rounding.
+_FREE = (
+    "steps", "log_every", "checkpoint_every", "keep_checkpoints",
+    "ci_chunked", "ci_distinct_rows", "routed_rows_only",
+)  # fmt: skip
 
 
 @dataclass
@@ -90,6 +94,10 @@ class SPDConfig:
     faithfulness_warmup_lr: float = 1e-2
     faithfulness_warmup_weight_decay: float = 0.1
     fuse_runs: bool = True  # all reconstruction forwards as one (more memory, far less overhead)
+    # Exact speed-ups (the same maths, other rounding; docs/spd.md, "Speed"):
+    ci_chunked: bool = True  # CI MLP in cache-sized chunks, hidden layer recomputed in backward
+    ci_distinct_rows: bool = True  # token CI once per distinct input row (layer 0 reads embeddings)
+    routed_rows_only: bool = True  # a module's components only on the batch rows routed through it
     seed: int = 0
     log_every: int = 10
     checkpoint_every: int = 100  # steps; 0: only at the end
@@ -146,6 +154,9 @@ class SPDConfig:
             seed=self.seed,
             ci_attn_dim=self.ci_attn_dim,
             delta=self.delta,
+            ci_chunked=self.ci_chunked,
+            ci_distinct_rows=self.ci_distinct_rows,
+            routed_rows_only=self.routed_rows_only,
         )
 
 
