@@ -7,13 +7,20 @@
 # resumes from the committed state (bit-exactly: tests/test_spd_induction.py) and first trains the toy
 # model if neither it nor a kept copy exists (~45 min).
 #   nohup bash docs/results/spd/ref-run.sh > results/spd-ref-run.log 2>&1 &
-# THREADS (default 1) torch threads; COMMIT=0 keeps the state without committing.
+# THREADS (default 1) torch threads; COMMIT=0 keeps the state without committing; VARIANT (default
+# ref-token-subset) another recipe, e.g. VARIANT=ref-token-stoch (the same without the subset term, as the
+# reference's current ih config), kept in docs/results/spd/VARIANT-h16-run/; every variant decomposes the
+# same toy model (results/spd-ref/model, or the copy the first run keeps).
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
 export HF_HUB_OFFLINE=1
-KEEP=docs/results/spd/ref-token-subset-h16-run
+VARIANT=${VARIANT:-ref-token-subset}
+KEEP=docs/results/spd/$VARIANT-h16-run
+MODEL=results/spd-ref/model/model.pt
+[ -f $MODEL ] || MODEL=docs/results/spd/ref-token-subset-h16-run/model.pt
 STEPS=${STEPS:-100000} SITTING=${SITTING:-5000} THREADS=${THREADS:-1}
-if [ ! -f $KEEP/model.pt ] && [ ! -f results/spd-ref/model/model.pt ]; then
+if [ ! -f $KEEP/model.pt ] && [ ! -f $MODEL ]; then
+  MODEL=results/spd-ref/model/model.pt
   .venv/bin/mxd-lens spd-induction-model --positional after_projection --target-accuracy --stop-window 3000 \
       --steps 8000 --threads "$THREADS" --out results/spd-ref/model
 fi
@@ -25,9 +32,10 @@ while :; do
   done_step=$(kept_step)
   [ "$done_step" -ge "$STEPS" ] && break
   next=$(( (done_step / SITTING + 1) * SITTING )); [ $next -gt "$STEPS" ] && next=$STEPS
-  .venv/bin/mxd-lens spd-induction train --variant ref-token-subset --ci-hidden 16 --steps "$STEPS" \
-      --until $next --trend-every 1000 --keep-in $KEEP --out results/spd-ref --threads "$THREADS"
+  first=(); [ -f $KEEP/run_config.json ] || first=(--model $MODEL)  # later sittings: the run's own
+  .venv/bin/mxd-lens spd-induction train --variant "$VARIANT" --ci-hidden 16 --steps "$STEPS" \
+      --until $next --trend-every 1000 --keep-in $KEEP --out results/spd-ref --threads "$THREADS" "${first[@]}"
   if [ "${COMMIT:-1}" = 1 ]; then
-    git add $KEEP && git commit -q -m "SPD reference run (ref-token-subset, CI hidden 16): kept state at step $(kept_step)" -- $KEEP || true
+    git add $KEEP && git commit -q -m "SPD reference run ($VARIANT, CI hidden 16): kept state at step $(kept_step)" -- $KEEP || true
   fi
 done
