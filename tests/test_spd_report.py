@@ -24,6 +24,7 @@ from mxd_lens.spd.report import (
     position_classes,
     short_name,
     study_report,
+    trend_table,
 )
 
 TASK = InductionTask(n_base_tokens=8, seq_len=8)
@@ -216,3 +217,17 @@ def test_components_carrying_matches_a_brute_force_count(setup) -> None:
         assert got[name] == pytest.approx(sum(counts) / len(counts)), name
     with pytest.raises(ValueError, match="fraction=0"):
         components_carrying(decomposition, batch, fraction=0)
+
+
+def test_trend_table_reads_each_module_at_its_expected_position():
+    def point(step: int) -> dict:
+        # l0[module][class] = 10 * class index + module index: each cell says where it was read
+        names = ["Q0", "K0", "V0", "Q1", "K1", "V1"]
+        l0 = {n: [10.0 * k + i for k in range(len(POSITION_CLASSES))] for i, n in enumerate(names)}
+        return {"step": step, "l0": l0, "accuracy_ci_masked": 0.5}
+
+    lines = trend_table([point(s) for s in (0, 500, 1000, 1500)], every=1000).splitlines()
+    assert [line.split("|")[1].strip() for line in lines[2:]] == ["0", "1,000", "1,500", "paper"]
+    # Q0 at m (class 1), K0 and V0 at s1 (0), Q1 at s2 (2), K1 and V1 at m (1)
+    assert [c.strip() for c in lines[2].split("|")[2:9]] == ["10", "1", "2", "23", "14", "15", "0.500"]
+    assert [c.strip() for c in lines[-1].split("|")[2:8]] == ["1", "1", "1", "1", "1", "11"]

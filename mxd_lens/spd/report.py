@@ -618,6 +618,25 @@ def adversarial_table(report: dict[str, Any]) -> str:
     return _markdown(head, rows) + "\n\n" + note
 
 
+def trend_table(points: Sequence[dict[str, Any]], every: int = 0) -> str:
+    """A run's trend (``trend_point`` records with their ``step``) as the docs show it: per step, the
+    CI-L0 of each module of ``EXPECTED_CIRCUIT`` at its expected position, the CI-masked accuracy, and a
+    last row with the expected counts. ``every`` keeps only steps that are multiples of it (and the
+    last). Rebuilds the table from a committed ``trend.jsonl``."""
+    names = [short_name(n) for n in EXPECTED_CIRCUIT]
+    where = [POSITION_CLASSES.index(pos) for pos, _ in EXPECTED_CIRCUIT.values()]
+    head = ["step", *[f"{n} ({pos})" for n, (pos, _) in zip(names, EXPECTED_CIRCUIT.values(), strict=True)],
+            "CI-masked accuracy"]  # fmt: skip
+    kept = [p for i, p in enumerate(points) if not every or p["step"] % every == 0 or i == len(points) - 1]
+    rows = [
+        [f"{p['step']:,}", *[f"{p['l0'][n][k]:.3g}" if n in p["l0"] else "–" for n, k in zip(names, where, strict=True)],
+         f"{p['accuracy_ci_masked']:.3f}"]
+        for p in kept
+    ]  # fmt: skip
+    rows.append(["paper", *[str(count) for _, count in EXPECTED_CIRCUIT.values()], ""])
+    return _markdown(head, rows)
+
+
 def _diagnostic_cells(diagnostics: dict[str, Any], name: str) -> list[str]:
     ranks = diagnostics.get("rank_replacement", {}).get(name)
     carrying = diagnostics.get("components_carrying_90", {}).get(name)
