@@ -496,6 +496,14 @@ def test_a_run_kept_in_a_folder_resumes_bit_exactly_on_a_fresh_machine(tmp_path)
     assert json.loads((clone / "checkpoint" / "trainer_state.json").read_text())["step"] == 6
     runs = [json.loads(line) for line in (clone / "train_log.jsonl").read_text().splitlines()]
     assert [(r["from_step"], r["to_step"]) for r in runs] == [(0, 3), (3, 6)]
+    # the kept state is reported on yet another machine, from the kept files alone
+    report = study_lib.report_variant(
+        SPDInductionOptions(**{**small, "model": None, "pgd_steps": 0}, keep_in=str(clone)),
+        tmp_path / "machine6",
+    )
+    assert report["training"]["steps"] == 6
+    with pytest.raises(ValueError, match="--keep-in"):
+        study_lib.report_variant(SPDInductionOptions(**small), tmp_path / "machine7")
 
     # a kept state of another configuration is refused, naming what differs
     other = SPDInductionOptions(**{**small, "model": None, "C": 4}, minimality=0.5, keep_in=str(clone))

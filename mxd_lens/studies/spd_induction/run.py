@@ -356,11 +356,22 @@ def time_variant(study: SPDInductionOptions, root: str | Path, steps: int) -> fl
 
 def report_variant(study: SPDInductionOptions, root: str | Path) -> dict[str, Any]:
     """ROOT/NAME/report.json (``study_report`` on the evaluation batch, plus the training record) and
-    ci_by_position.png; returns the report."""
+    ci_by_position.png; returns the report. With ``study.keep_in`` the state kept there is reported when
+    it is newer than ROOT/NAME's own (a fresh clone has none)."""
     out = Path(root) / study.name
+    keep = Path(study.keep_in) if study.keep_in else None
+    if keep is not None:  # a fresh clone: report the state kept in the repository
+        restore_kept(keep, out)
+    if not (out / "run_config.json").is_file():
+        raise ValueError(
+            f"{out} holds no run (no run_config.json): train it first, or give --keep-in its kept state"
+        )
     saved = json.loads((out / "run_config.json").read_text())
     config = SPDConfig(**saved["config"])
-    _, trainer = build_trainer(out, Path(saved["model"]), config)
+    model_path = Path(saved["model"])
+    if not model_path.is_file() and keep is not None and (keep / "model.pt").is_file():
+        model_path = keep / "model.pt"
+    _, trainer = build_trainer(out, model_path, config)
     trainer.load_checkpoint()
     if trainer.step == 0:
         raise ValueError(f"{out} has no checkpoint yet")
