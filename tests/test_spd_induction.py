@@ -328,9 +328,22 @@ def test_induction_spd_study_train_report_summary(tmp_path):
                                    progress=False)  # fmt: skip
     assert (more["from_step"], more["to_step"]) == (4, 6)
     report = study_lib.report_variant(
-        SPDInductionOptions(variant="token-stoch", steps=6, batch_size=4), tmp_path
+        SPDInductionOptions(variant="token-stoch", steps=6, batch_size=4, pruning_draws=2), tmp_path
     )
     assert report["training"]["steps"] == 6 and (tmp_path / "token-stoch/ci_by_position.png").is_file()
+    from mxd_lens.spd.pruning import pruning_table
+    from mxd_lens.spd.report import EXPECTED_CIRCUIT, POSITION_CLASSES
+
+    checked = {r["module"] for r in report["pruning"]}  # every one-component module still above 1.5
+    assert checked == {
+        name
+        for name, (where, count) in EXPECTED_CIRCUIT.items()
+        if count == 1 and report["modules"][name]["l0"][POSITION_CLASSES.index(where)] > 1.5
+    }
+    assert checked and all(
+        r["keep"][-1]["k"] == 1 and r["where"] in POSITION_CLASSES for r in report["pruning"]
+    )
+    assert pruning_table(report["pruning"]).count("\n") == 1 + sum(len(r["keep"]) for r in report["pruning"])
     from mxd_lens.spd.report import adversarial_table
 
     adv = report["adversarial"]  # the PGD masks find a KL at least the stochastic draw's

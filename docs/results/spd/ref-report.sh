@@ -2,8 +2,10 @@
 # The reports of the kept reference runs (docs/results.md, "SPD of the reference toy model"): for each
 # VARIANT (default: ref-token-subset ref-token-stoch) whose state ref-run.sh keeps in
 # docs/results/spd/VARIANT-h16-run/, the report at the kept step (CI by position, diagnostics, losses and
-# the adversarial PGD check; ~30 s each) and the trend table, written next to the kept state:
-#   VARIANT-h16-report.json, -modules.md, -adversarial.md, -trend.md, -ci-by-position.png
+# the adversarial PGD check; ~30 s each), the pruning check (what switching the extra components of
+# the modules above one component off would cost the training objective; ~1 min each) and the trend
+# table, written next to the kept state:
+#   VARIANT-h16-report.json, -modules.md, -adversarial.md, -pruning.md, -trend.md, -ci-by-position.png
 # Works on a fresh clone (the kept files are enough). Nothing is committed.
 #   bash docs/results/spd/ref-report.sh
 set -euo pipefail
@@ -14,11 +16,12 @@ for VARIANT in ${VARIANTS:-ref-token-subset ref-token-stoch}; do
   KEEP=$DEST/$VARIANT-h16-run
   [ -f $KEEP/checkpoint/trainer_state.json ] || { echo "$VARIANT: nothing kept in $KEEP" >&2; continue; }
   .venv/bin/mxd-lens spd-induction report --variant "$VARIANT" --ci-hidden 16 --keep-in $KEEP \
-      --out results/spd-ref --threads "${THREADS:-1}" > /dev/null
+      --out results/spd-ref --threads "${THREADS:-1}" --pruning-draws "${PRUNING_DRAWS:-8}" > /dev/null
   .venv/bin/python - "$VARIANT" "$DEST" <<'PY'
 import json, shutil, sys
 from pathlib import Path
 
+from mxd_lens.spd.pruning import pruning_table
 from mxd_lens.spd.report import adversarial_table, module_table, trend_table
 
 variant, dest = sys.argv[1], Path(sys.argv[2])
@@ -29,8 +32,10 @@ shutil.copyfile(run / "ci_by_position.png", dest / f"{name}-ci-by-position.png")
 step = report["training"]["steps"]
 (dest / f"{name}-modules.md").write_text(f"### {name}, step {step:,}\n\n{module_table(report)}\n")
 (dest / f"{name}-adversarial.md").write_text(f"### {name}, step {step:,}\n\n{adversarial_table(report)}\n")
+if report.get("pruning"):
+    (dest / f"{name}-pruning.md").write_text(f"### {name}, step {step:,}\n\n{pruning_table(report['pruning'], 'at')}\n")
 points = [json.loads(line) for line in (dest / f"{name}-run" / "trend.jsonl").read_text().splitlines()]
 (dest / f"{name}-trend.md").write_text(f"### {name}\n\n{trend_table(points, every=5000)}\n")
-print(f"{name}: step {step:,}; wrote {dest}/{name}-{{report.json,modules.md,adversarial.md,trend.md,ci-by-position.png}}")
+print(f"{name}: step {step:,}; wrote {dest}/{name}-{{report.json,modules.md,adversarial.md,pruning.md,trend.md,ci-by-position.png}}")
 PY
 done

@@ -52,6 +52,10 @@ class SPDInductionOptions:
     pgd_steps: int = 20
     """report: steps of the adversarial (PGD) mask search whose KL and accuracy are reported next to the
     stochastic masks' (mxd_lens.spd.adversarial; 0: none)"""
+    pruning_draws: int = 0
+    """report: for each module whose CI-L0 at its expected position exceeds the paper's count, what
+    switching the extra components off there would cost the training objective, over this many paired
+    mask draws on 64 sequences (mxd_lens.spd.pruning; ~1 s per draw and module; 0: not measured)"""
     action: Literal["time", "train", "report", "summary"] = field(
         default="train", metadata={"positional": True}
     )

@@ -398,6 +398,8 @@ def report_variant(study: SPDInductionOptions, root: str | Path) -> dict[str, An
             trainer.decomposition, batch.tokens, batch.labels, n_steps=study.pgd_steps,
             positions=config.positions, seed=1,
         )  # fmt: skip
+    if study.pruning_draws:
+        report["pruning"] = pruning_report(trainer, config, batch, report, study.pruning_draws)
     report["report_s"] = time.perf_counter() - started
     atomic_write_text(out / "report.json", json.dumps(report, indent=1))
     plot_ci_by_position(
@@ -406,6 +408,36 @@ def report_variant(study: SPDInductionOptions, root: str | Path) -> dict[str, An
         title=f"{study.name}: {TITLES[study.variant]}, minimality {config.minimality:g} (step {trainer.step})",
     )
     return report
+
+
+PRUNING_SEQUENCES = 64
+
+
+def pruning_report(
+    trainer: SPDTrainer, config: SPDConfig, batch: Any, report: dict[str, Any], draws: int
+) -> list[dict[str, Any]]:
+    """:func:`mxd_lens.spd.pruning.pruning_cost` for each module of the expected circuit that keeps more
+    than its one component at its expected position (CI-L0 > 1.5 in ``report``), at that position class
+    on the batch's first 64 sequences, keeping k = n - 1, n // 2 and 1 of the components active at each
+    position (n: their mean number there, rounded)."""
+    from mxd_lens.spd.pruning import contributions, pruning_cost
+    from mxd_lens.spd.report import EXPECTED_CIRCUIT, POSITION_CLASSES, position_classes
+
+    tokens, s1 = batch.tokens[:PRUNING_SEQUENCES], batch.s1[:PRUNING_SEQUENCES]
+    classes = position_classes(s1, tokens.shape[1])
+    results = []
+    for name, (where, count) in EXPECTED_CIRCUIT.items():
+        k = POSITION_CLASSES.index(where)
+        if count != 1 or name not in report["modules"] or report["modules"][name]["l0"][k] <= 1.5:
+            continue
+        rows = classes == k
+        n = round(contributions(trainer.decomposition, tokens, name, rows)["n_active"])  # CI-L0 there
+        keep = sorted({max(n - 1, 1), max(n // 2, 1), 1}, reverse=True)
+        result = pruning_cost(
+            trainer.decomposition, tokens, config, trainer.step, name, rows, keep, draws=draws
+        )
+        results.append({**result, "where": where})
+    return results
 
 
 def summarize_variants(root: str | Path) -> str:
