@@ -22,7 +22,9 @@ from mxd_lens.spd.report import (
     module_table,
     plot_ci_by_position,
     position_classes,
+    reach_table,
     short_name,
+    steps_to_reach,
     study_report,
     trend_table,
 )
@@ -231,3 +233,34 @@ def test_trend_table_reads_each_module_at_its_expected_position():
     # Q0 at m (class 1), K0 and V0 at s1 (0), Q1 at s2 (2), K1 and V1 at m (1)
     assert [c.strip() for c in lines[2].split("|")[2:9]] == ["10", "1", "2", "23", "14", "15", "0.500"]
     assert [c.strip() for c in lines[-1].split("|")[2:8]] == ["1", "1", "1", "1", "1", "11"]
+
+
+def test_steps_to_reach_extrapolates_a_line_in_the_step_and_in_its_log():
+    import math
+
+    def point(step: int) -> dict:
+        l0 = {n: [5.0] * len(POSITION_CLASSES) for n in ["Q0", "K0", "V0", "Q1", "K1", "V1"]}
+        l0["K0"][0] = 10 - step / 10_000  # K0 at s1: linear in the step, reaches 1.5 at step 85,000
+        l0["V0"][0] = 10 - 2 * math.log(
+            max(step, 1) / 1_000
+        )  # V0 at s1: linear in log(step): 1.5 at 1000 e^4.25
+        l0["Q0"][1] = 1.2  # Q0 at m: already there
+        l0["Q1"][2] = 2 + step / 1e6  # Q1 at s2: rising, never
+        return {"step": step, "l0": l0, "accuracy_ci_masked": 1.0}
+
+    points = [point(s) for s in (0, 10_000, 20_000, 40_000, 60_000)]
+    got = steps_to_reach(points, target=1.5, since=10_000)
+    assert got["K0"]["linear"] == pytest.approx(85_000) and got["K0"]["now"] == pytest.approx(4.0)
+    assert got["V0"]["log"] == pytest.approx(1_000 * math.exp(4.25), rel=1e-9)
+    assert got["Q0"] == {"now": 1.2, "linear": 60_000.0, "log": 60_000.0}
+    assert got["Q1"]["linear"] is None and got["Q1"]["log"] is None
+    assert set(got) == {"Q0", "K0", "V0", "Q1", "K1"}  # V1 (11 expected) is not a one-component module
+    # from the last point at the fitted rate: a plateau that fell before `since` never gets there
+    assert steps_to_reach(points, since=20_000)["K1"]["log"] is None
+    assert steps_to_reach(points, target=1.5, since=10_000, horizon=80_000)["K0"]["linear"] is None
+    assert steps_to_reach(points, target=1.5, since=10_000, horizon=65_000)["V0"]["log"] is None
+    with pytest.raises(ValueError, match="two trend points"):
+        steps_to_reach(points, since=60_000)
+    rows = reach_table(points, since=10_000).splitlines()[2:]
+    assert [row.split("|")[1].strip() for row in rows] == ["Q0", "K0", "V0", "Q1", "K1"]
+    assert "85,000" in rows[1] and ">1e12" in rows[3]

@@ -637,6 +637,68 @@ def trend_table(points: Sequence[dict[str, Any]], every: int = 0) -> str:
     return _markdown(head, rows)
 
 
+def steps_to_reach(
+    points: Sequence[dict[str, Any]], target: float = 1.5, since: int = 0, horizon: float = 1e12
+) -> dict[str, dict[str, float | None]]:
+    """When would each module of ``EXPECTED_CIRCUIT`` (one component expected) reach CI-L0 ``target`` at
+    its expected position, if it kept falling at the rate it fell since step ``since``? The rate is a
+    least-squares slope over the trend points from ``since`` on, either per step ("linear"; optimistic
+    for a decelerating trend) or per unit of log(step) ("log"; the usual shape of these trends), and
+    the extrapolation starts from the last point. Returns {short name: {"now": the last CI-L0,
+    "linear": step, "log": step}}: the last step where it is already at ``target`` or below, None where
+    the fit does not fall or reaches ``target`` only beyond ``horizon`` steps."""
+    import math
+
+    import numpy as np
+
+    kept = [p for p in points if p["step"] >= since and p["step"] > 0]
+    if len(kept) < 2:
+        raise ValueError(f"need two trend points at steps >= max(since={since}, 1), got {len(kept)}")
+    steps = np.array([p["step"] for p in kept], dtype=float)
+    last = float(steps[-1])
+    out: dict[str, dict[str, float | None]] = {}
+    for name, (where, count) in EXPECTED_CIRCUIT.items():
+        short, k = short_name(name), POSITION_CLASSES.index(where)
+        if count != 1 or short not in kept[-1]["l0"]:
+            continue
+        y = np.array([p["l0"][short][k] for p in kept], dtype=float)
+        now = float(y[-1])
+        reach: dict[str, float | None] = {"now": now}
+        for fit, x in (("linear", steps), ("log", np.log(steps))):
+            slope = float(np.polyfit(x, y, 1)[0])
+            if now <= target:
+                reach[fit] = last
+            elif slope >= 0:
+                reach[fit] = None
+            else:
+                more = (now - target) / -slope  # steps, or e-folds of the step
+                if fit == "log":
+                    at = last * math.exp(more) if more < math.log(horizon / last) else math.inf
+                else:
+                    at = last + more
+                reach[fit] = at if at <= horizon else None
+        out[short] = reach
+    return out
+
+
+def reach_table(points: Sequence[dict[str, Any]], target: float = 1.5, since: int = 0) -> str:
+    """Markdown of :func:`steps_to_reach`: per module, CI-L0 now and the step each fit reaches
+    ``target`` at (">1e12" where it does not)."""
+    reach = steps_to_reach(points, target, since)
+
+    def cell(step: float | None) -> str:
+        return ">1e12" if step is None else f"{step:,.0f}" if step < 1e7 else f"{step:.1e}"
+
+    head = [
+        "module",
+        "CI-L0 now",
+        f"step at ≤ {target:g}, linear in step",
+        f"step at ≤ {target:g}, linear in log(step)",
+    ]
+    rows = [[name, f"{r['now']:.3g}", cell(r["linear"]), cell(r["log"])] for name, r in reach.items()]
+    return _markdown(head, rows)
+
+
 def _diagnostic_cells(diagnostics: dict[str, Any], name: str) -> list[str]:
     ranks = diagnostics.get("rank_replacement", {}).get(name)
     carrying = diagnostics.get("components_carrying_90", {}).get(name)

@@ -5,7 +5,8 @@
 # the adversarial PGD check; ~30 s each), the pruning check (what switching the extra components of
 # the modules above one component off would cost the training objective; ~1 min each) and the trend
 # table, written next to the kept state:
-#   VARIANT-h16-report.json, -modules.md, -adversarial.md, -pruning.md, -trend.md, -ci-by-position.png
+#   VARIANT-h16-report.json, -modules.md, -adversarial.md, -pruning.md, -trend.md (with when each module
+# would reach CI-L0 1.5 at the rate of the run's second half), -ci-by-position.png
 # Works on a fresh clone (the kept files are enough). Nothing is committed.
 #   bash docs/results/spd/ref-report.sh
 set -euo pipefail
@@ -22,7 +23,7 @@ import json, shutil, sys
 from pathlib import Path
 
 from mxd_lens.spd.pruning import pruning_table
-from mxd_lens.spd.report import adversarial_table, module_table, trend_table
+from mxd_lens.spd.report import adversarial_table, module_table, reach_table, trend_table
 
 variant, dest = sys.argv[1], Path(sys.argv[2])
 run, name = Path("results/spd-ref") / f"{variant}-h16", f"{variant}-h16"
@@ -35,7 +36,9 @@ step = report["training"]["steps"]
 if report.get("pruning"):
     (dest / f"{name}-pruning.md").write_text(f"### {name}, step {step:,}\n\n{pruning_table(report['pruning'], 'at')}\n")
 points = [json.loads(line) for line in (dest / f"{name}-run" / "trend.jsonl").read_text().splitlines()]
-(dest / f"{name}-trend.md").write_text(f"### {name}\n\n{trend_table(points, every=5000)}\n")
+since = points[-1]["step"] // 2  # the rate of the run's second half
+reach = f"When each reaches CI-L0 1.5 at the rate of steps {since:,}-{points[-1]['step']:,}:\n\n{reach_table(points, 1.5, since)}"
+(dest / f"{name}-trend.md").write_text(f"### {name}\n\n{trend_table(points, every=5000)}\n\n{reach}\n")
 print(f"{name}: step {step:,}; wrote {dest}/{name}-{{report.json,modules.md,adversarial.md,pruning.md,trend.md,ci-by-position.png}}")
 PY
 done
