@@ -26,7 +26,10 @@ def test_spd_step_smoke_compares_old_and_new_steps_on_the_same_losses(capsys):
     result = spd_step.run(["--smoke", "--hidden", "8"])
     (res,) = result["results"]
     assert res["median_s"]["old"] > 0 and res["median_s"]["new"] > 0
-    assert max(res["rel_diff"].values()) <= 1e-5  # the same losses, to rounding
+    # From the same parameters the losses agree to rounding; one Adam step later the parameters are
+    # apart by that rounding (Adam divides it by sqrt(v)), so the second step's terms agree less tightly.
+    assert max(res["rel_diff_first"].values()) <= 1e-5
+    assert max(res["rel_diff"].values()) <= 1e-4
     assert "| H 8 |" in capsys.readouterr().out
 
 
