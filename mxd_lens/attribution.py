@@ -43,7 +43,15 @@ __all__ = [
     "logit_target",
 ]
 
-_BIAS_NAMES = ("b_O", "b_V", "b_U", "b")  # sources among the parameters (others multiply, or are frozen out)
+# Sources among the parameters: those added into the residual stream (weights multiply, and Q/K biases
+# and MLP-internal biases act only through what is frozen). Matched on the attribute name with its
+# leading underscores removed: grouped-query attention stores the value bias as ``_b_V`` (``b_V`` is a
+# property repeating it over heads). ``_unrecognised_sources`` checks the selection without names.
+_BIAS_NAMES = ("b_O", "b_V", "b_U", "b")
+
+
+def _is_bias_source(name: str) -> bool:
+    return name.split(".")[-1].lstrip("_") in _BIAS_NAMES
 
 
 @dataclass
@@ -179,7 +187,7 @@ def attribute(model: Any, tokens: Any, target: Callable[[torch.Tensor], torch.Te
         (lambda name: name in node.values() or name in ("hook_embed", "hook_pos_embed"), leaf),
     ]
     module_leaves = {(b, "mlp"): _module_leaf(io[b]["module_out"], node[b], leaves) for b in at_module}
-    biases = {name: p for name, p in model.named_parameters() if name.split(".")[-1] in _BIAS_NAMES}
+    biases = {name: p for name, p in model.named_parameters() if _is_bias_source(name)}
     with torch.enable_grad(), hooks.replacing_outputs(model, module_leaves):
         logits = model.run_with_hooks(tokens, fwd_hooks=fwd_hooks)
         value = target(logits)
@@ -222,9 +230,10 @@ def attribute(model: Any, tokens: Any, target: Callable[[torch.Tensor], torch.Te
             parts.append(
                 {"kind": "error", "block": block, "position": t, "attribution": float(error[t] @ g[t])}
             )
-    for name, p in biases.items():
-        parts.append({"kind": f"bias {name}", "block": None, "position": None,
-                      "attribution": float((p.detach() * grad[name]).sum())})  # fmt: skip
+    bias_parts = {name: float((p.detach() * grad[name]).sum()) for name, p in biases.items()}
+    for name, v in bias_parts.items():
+        parts.append({"kind": f"bias {name}", "block": None, "position": None, "attribution": v})
+    _check_bias_sources(model, tokens, target, fwd_hooks, module_leaves, sum(bias_parts.values()), value)
     columns = ["block", "position", "token", "unit", "code", "attribution"]
     return Attribution(
         target=float(value.detach()),
@@ -232,6 +241,38 @@ def attribute(model: Any, tokens: Any, target: Callable[[torch.Tensor], torch.Te
         parts=pd.DataFrame(parts, columns=["kind", "block", "position", "attribution"]),
         frozen={n: t.detach() for n, t in leaves.items()},
     )
+
+
+def _check_bias_sources(
+    model: Any,
+    tokens: torch.Tensor,
+    target: Callable,
+    fwd_hooks: list,
+    module_leaves: dict,
+    bias_total: float,
+    value: torch.Tensor,
+) -> None:
+    """The name-free check of the bias sources: the frozen model is linear in its sources, so with every
+    embedding and MLP output set to zero the target is what the bias parameters carry. If the
+    parameters selected by name carry something else, a source of this family is missed: raise, naming
+    the family, instead of returning parts that do not sum to the target (a Qwen2 value bias ``_b_V``
+    was once missed silently). Skipped where the logits are soft-capped (a tanh: not linear)."""
+    if getattr(model.cfg, "output_logits_soft_cap", -1.0) > 0:
+        return
+    zeroed = [(fwd_hooks[0][0], fwd_hooks[0][1]), (fwd_hooks[1][0], lambda v, hook: torch.zeros_like(v))]
+    zero_modules = {at: (lambda out: torch.zeros_like(out)) for at in module_leaves}
+    with torch.no_grad(), hooks.replacing_outputs(model, zero_modules):
+        alone = float(target(model.run_with_hooks(tokens, fwd_hooks=zeroed)))
+    scale = max(abs(float(value.detach())), abs(alone), 1.0)
+    if abs(alone - bias_total) > 1e-5 * scale:
+        arch = getattr(model.cfg, "original_architecture", None) or model.cfg.model_name
+        raise RuntimeError(
+            f"attribution: the bias parameters found by name carry {bias_total:.6g} of the target, but the "
+            f"frozen model with every embedding and MLP output zeroed gives {alone:.6g}: this model ({arch}) "
+            "adds into the residual stream a parameter that mxd_lens.attribution does not recognise as a "
+            "source, so the parts would not sum to the target. Report it with the model's family "
+            "(the parameters considered: attribution._BIAS_NAMES)"
+        )
 
 
 def _module_leaf(value: torch.Tensor, name: str, leaves: dict[str, torch.Tensor]):

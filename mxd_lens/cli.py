@@ -114,8 +114,10 @@ class TrainCommand:
     (docs/layers.md)"""
     k: list[int] = field(default_factory=lambda: [32])
     """active units per token, one or more"""
-    width_multiplier: list[int] = field(default_factory=lambda: [WIDTH_MULTIPLIER])
-    """transcoder width multiplier(s) m: width m x d_model; MxD gets the matching experts"""
+    width_multiplier: list[int] | None = None
+    """transcoder width multiplier(s) m: width m x d_model; MxD gets the matching experts (default: 8, or
+    the smallest m above it at which the MxD still gets d_model experts on a host with a very wide MLP;
+    printed at the start)"""
     init: Literal["default", "mlp"] = "default"
     """'mlp': MxD's E and D start as the host MLP's"""
     resume: bool = False
@@ -403,8 +405,18 @@ def _train(args: argparse.Namespace) -> int:
         for block in blocks
         for arch in args.arch
         for k in args.k
-        for m in args.width_multiplier
+        for m in args.width_multiplier or [None]
     ]
+    if args.width_multiplier is None:
+        from mxd_lens.training import default_width
+
+        m = default_width(source.info)
+        why = "the default" if m == WIDTH_MULTIPLIER else (
+            f"raised from {WIDTH_MULTIPLIER}: this host's MLP ({source.info.d_hidden} wide"
+            f"{', GLU' if source.info.gated else ''}) would leave a width-{WIDTH_MULTIPLIER} match fewer than "
+            f"d_model = {source.info.d_in} experts"
+        )  # fmt: skip
+        print(f"width multiplier m = {m} ({why}; --width-multiplier sets it)", flush=True)
     trainer = Trainer(
         specs,
         source,

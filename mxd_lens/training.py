@@ -70,13 +70,15 @@ log = logging.getLogger(__name__)
 @dataclass
 class LearnerSpec:
     """One layer to train. ``width_multiplier`` m sets the transcoder width H = m * d_in; an MxD gets
-    the experts that match that transcoder's parameters (``match_experts``). ``d_sae`` instead sets
-    the number of units (experts / latents) directly."""
+    the experts that match that transcoder's parameters (``match_experts``). None (the default): the
+    run's stream chooses it, ``matching.default_width_multiplier`` (8, or more on hosts whose MLP is too
+    wide for a width-8 match; the trainer logs it). ``d_sae`` instead sets the number of units
+    (experts / latents) directly."""
 
     arch: str  # a key of mxd_lens.ARCHITECTURES (the built-in ones, or one registered)
     block: int  # the transformer block whose MLP it replaces
     k: int
-    width_multiplier: int = WIDTH_MULTIPLIER
+    width_multiplier: int | None = None
     init: Literal["default", "mlp", "given"] = "default"  # "mlp": the host MLP's weights in the layer's
     # dense path (an architecture with ``copies_host_mlp``: MxD's E, b_E, D);
     # "given": a layer built by the caller (Trainer takes the layer itself in place of a spec)
@@ -122,7 +124,14 @@ class LearnerSpec:
     @property
     def name(self) -> str:
         init = "" if self.init == "default" else f".init-{self.init}"
-        size = f"n{self.d_sae}" if self.d_sae is not None else f"m{self.width_multiplier}"
+        if self.d_sae is not None:
+            size = f"n{self.d_sae}"
+        elif self.width_multiplier is None:
+            raise ValueError(
+                "the width multiplier is chosen from the stream: resolve the spec first (LearnerSpec.sized)"
+            )
+        else:
+            size = f"m{self.width_multiplier}"
         method = self.method.replace(":", "-").replace(",", "-")  # a folder name anywhere
         lr = "" if self.lr is None else f".lr{self.lr:g}"
         return f"L{self.block}.{method}.k{self.k}.{size}{lr}{init}"
@@ -150,11 +159,26 @@ class LearnerSpec:
             key, hooks.block_of(layer), layer.cfg.k, init="given", d_sae=layer.cfg.d_sae, options=options
         )
 
+    def sized(self, info: StreamInfo) -> LearnerSpec:
+        """This spec with its width multiplier chosen for the stream ``info`` describes, when not given
+        (``matching.default_width_multiplier``: every learner of a run gets the same m)."""
+        if self.width_multiplier is not None or self.d_sae is not None:
+            return self
+        return dataclasses.replace(self, width_multiplier=default_width(info))
+
     @property
     def normalizes_decoder(self) -> bool:
         if self.normalize_decoder is None:
             return get_architecture(self.arch).unit_norm_decoder
         return self.normalize_decoder
+
+
+def default_width(info: StreamInfo) -> int:
+    """The width multiplier a run on this stream uses when none is given (``default_width_multiplier``)."""
+    from mxd_lens.matching import default_width_multiplier
+
+    d_hidden = info.d_hidden or 4 * info.d_out  # a stream recorded before d_hidden was: GPT-2's ratio
+    return default_width_multiplier(info.d_in, info.d_out, d_hidden, glu=info.gated, floor=WIDTH_MULTIPLIER)
 
 
 def build_layer(
@@ -165,7 +189,7 @@ def build_layer(
 
     if spec.block not in info.blocks:
         raise ValueError(f"{spec.name}: the stream holds blocks {info.blocks}, not {spec.block}")
-    width = spec.width_multiplier * info.d_in
+    width = spec.sized(info).width_multiplier * info.d_in
     hook_in, hook_out = info.hook_names[str(spec.block)]
     common = dict(
         d_in=info.d_in,
@@ -212,6 +236,7 @@ def _admit(
         raise ValueError(
             f"{item.name}: init='given' means a layer built by the caller; pass the layer itself"
         )
+    item = item.sized(info)
     layer = build_layer(item, info, seed=seed * 7919 + index, device=device)
     if item.init == "mlp":
         if model is None:
@@ -265,6 +290,15 @@ class Trainer(TrainingLoop):
         # Specs become layers here, once; from now on the trainer works on the layers.
         admitted = [_admit(item, i, source.info, config.seed, model, device) for i, item in enumerate(specs)]
         names = [spec.name for spec, _ in admitted]
+        chosen = sorted({spec.width_multiplier for (spec, _), item in zip(admitted, specs, strict=True)
+                         if isinstance(item, LearnerSpec) and item.width_multiplier is None and item.d_sae is None})  # fmt: skip
+        if chosen:
+            log.info(
+                "width multiplier m = %s, chosen for this host (d_in %d, MLP width %d%s): the smallest m >= %d at "
+                "which a parameter-matched MxD gets at least d_in experts; give width_multiplier to set it",
+                chosen[0], source.info.d_in, source.info.d_hidden, ", GLU" if source.info.gated else "",
+                WIDTH_MULTIPLIER,
+            )  # fmt: skip
         if not admitted or len(set(names)) != len(names):
             raise ValueError(f"need one or more learners with distinct names, got {names}")
         self.learners: dict[str, _Learner] = {}

@@ -322,3 +322,49 @@ def test_the_scripts_print_and_write_what_the_library_computes(tmp_path, monkeyp
         SystemExit, match=r"mxd-lens attribute: ' zebra' is not in this model's vocabulary .*<unk>"
     ):
         attribution_script(argv_one[:5] + ["--target", " zebra", "--out", str(tmp_path / "unk")])
+
+
+def _gqa_with_value_biases():
+    """A Qwen2-like block: grouped-query attention (2 KV heads for 4 query heads) whose Q/K/V biases
+    are non-zero. TransformerLens stores the grouped value bias as ``_b_V`` (``b_V`` is a property)."""
+    from transformer_lens import HookedTransformer, HookedTransformerConfig
+
+    torch.manual_seed(0)
+    cfg = HookedTransformerConfig(
+        n_layers=3, d_model=16, n_ctx=12, d_head=4, n_heads=4, n_key_value_heads=2, d_mlp=40, d_vocab=61,
+        normalization_type="RMS", act_fn="silu", gated_mlp=True, positional_embedding_type="rotary",
+        rotary_dim=4, device="cpu",
+    )  # fmt: skip
+    model = HookedTransformer(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.split(".")[-1].lstrip("_").startswith("b"):
+                p.normal_(0, 0.5)
+    assert any(name.endswith("._b_V") for name, _ in model.named_parameters())
+    return model
+
+
+def test_grouped_query_value_biases_are_sources_and_the_parts_sum_to_the_target():
+    """The Qwen2 failure: the value bias `_b_V` was not selected, and completeness was 4.2 here."""
+    model = _gqa_with_value_biases()
+    layer = randomise(MxD.for_model(model, 1, d_sae=24, k=4), 5, scale=0.3)
+    tokens = torch.randint(0, model.cfg.d_vocab, (1, 10), generator=torch.Generator().manual_seed(0))
+    with mxd_lens.splice(model, layer):
+        result = attribute(model, tokens, logit_target(token=7, minus=3))
+    assert result.completeness <= 1e-4, (result.total, result.target)
+    value_bias = result.parts[result.parts.kind.str.endswith("._b_V")]
+    assert len(value_bias) == 3 and value_bias.attribution.abs().sum() > 1e-3
+
+
+def test_a_source_missed_by_name_is_an_error_not_a_wrong_answer(monkeypatch):
+    """The name-free check: zeroing every embedding and MLP output leaves what the biases carry; a bias
+    the name rule misses makes that disagree, and attribute raises instead of returning parts that do
+    not sum to the target."""
+    import mxd_lens.attribution as attribution
+
+    model = _gqa_with_value_biases()
+    layer = randomise(MxD.for_model(model, 1, d_sae=24, k=4), 5, scale=0.3)
+    tokens = torch.randint(0, model.cfg.d_vocab, (1, 10), generator=torch.Generator().manual_seed(0))
+    monkeypatch.setattr(attribution, "_BIAS_NAMES", ("b_O", "b_U", "b"))  # the old rule's blind spot
+    with mxd_lens.splice(model, layer), pytest.raises(RuntimeError, match="does not recognise as a source"):
+        attribute(model, tokens, logit_target(token=7))

@@ -509,3 +509,38 @@ def test_a_cache_written_before_the_rename_trains_as_its_renamed_copy(tmp_path, 
     trainer.fit(resume=True)
     assert trainer.step == 10
     assert_identical(final_weights(tmp_path / "run_new"), final_weights(tmp_path / "run_old"))
+
+
+def test_the_default_width_trains_on_a_host_whose_mlp_is_too_wide_for_m8(tmp_path, monkeypatch, capsys):
+    """Qwen2.5-0.5B's MLP is 5.43 x d_model (GLU): a width-8 transcoder has fewer parameters than the
+    MxD's dense hidden layer alone, and the default refused to train. Here d_mlp = 5.5 x d_model: the run
+    chooses m = 10, says so, and the MxD gets at least d_model experts at the transcoder's parameters."""
+    from conftest import make_text_model
+    from transformer_lens import HookedTransformer
+
+    import mxd_lens.models
+    from mxd_lens.cli import main
+    from mxd_lens.matching import default_width_multiplier, match_experts
+
+    small, corpus = make_text_model(tmp_path, kind="gated")
+    cfg = small.cfg.to_dict()
+    cfg.update(d_mlp=88, n_params=None)  # 5.5 x d_model = 16
+    torch.manual_seed(0)
+    model = HookedTransformer(type(small.cfg).from_dict(cfg), small.tokenizer).eval()
+    monkeypatch.setattr(mxd_lens.models, "load_model", lambda name, **kw: model)
+    with pytest.raises(ValueError, match="fewer parameters than the MxD's dense hidden layer"):
+        match_experts(8 * 16, 16, 16, 88, glu=True)  # what the old default asked for
+    assert default_width_multiplier(16, 16, 88, glu=True) == 10
+    stream = ["--model", "tiny", "--text", str(corpus), "--context-size", "12", "--rows-per-shard", "16"]
+    args = ["train", *stream, "--blocks", "1", "--k", "2", "--tokens", "320", "--batch-tokens", "32"]
+    assert main([*args, "--no-progress", "--out", str(tmp_path / "run")]) == 0
+    out = capsys.readouterr().out
+    assert "width multiplier m = 10 (raised from 8" in out
+    folders = {p.name: p for p in (tmp_path / "run" / "final").iterdir() if p.is_dir()}
+    assert sorted(folders) == ["L1.mxd-gate=topk-gate_standardize=0.1.k2.m10", "L1.transcoder.k2.m10"]
+    layers = {name: SAE.load_from_disk(str(path)) for name, path in folders.items()}
+    n_params = {name: sum(p.numel() for p in layer.parameters()) for name, layer in layers.items()}
+    mxd = next(layer for name, layer in layers.items() if "mxd" in name)
+    assert mxd.cfg.d_sae == match_experts(10 * 16, 16, 16, 88, glu=True) >= 16
+    low, high = sorted(n_params.values())
+    assert (high - low) / high < 0.05  # parameter-matched

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mxd_lens.config import WIDTH_MULTIPLIER, StreamConfig
+from mxd_lens.config import StreamConfig
 
 
 @dataclass
@@ -25,8 +25,9 @@ class DemoOptions:
     """transformer block whose MLP to replace"""
     k: int = 32
     """active experts / latents per token"""
-    width_multiplier: int = WIDTH_MULTIPLIER
-    """transcoder width m x d_model; MxD matched"""
+    width_multiplier: int | None = None
+    """transcoder width m x d_model; MxD gets the experts that match its parameters (default: 8, more on
+    hosts whose MLP is too wide for a width-8 match: matching.default_width_multiplier)"""
     train_tokens: int | None = None
     """training tokens (default 262,144; 8,192 with --quick)"""
     epochs: float = 2.0

@@ -43,7 +43,7 @@ def run(model: Any, options: DemoOptions, out: Path | None) -> StudyResult:
     rows = run_frontier(model, config, out)
     epochs = f"{rows[0]['epochs']:.2f} epochs over the cache), " if rows[0].get("epochs") else "one pass), "
     parts = [
-        f"{model.cfg.model_name}, block {options.block}: parameter-matched (m = {options.width_multiplier}), "
+        f"{model.cfg.model_name}, block {options.block}: parameter-matched (m = {rows[0]['width_multiplier']}), "
         f"K = {options.k}, {rows[0]['train_tokens']:,} training tokens ({epochs}{rows[0]['tokens']:,} held-out tokens",
         demo_table(rows),
         demo_verdict(rows),

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
-from mxd_lens.config import WIDTH_MULTIPLIER, StreamConfig, TrainConfig, optional_float
+from mxd_lens.config import StreamConfig, TrainConfig, optional_float
 
 
 @dataclass
@@ -24,8 +24,9 @@ class FrontierConfig:
     row gains its metrics as ood_delta_ce, ood_kl, ood_fvu, ..."""
     ood_eval_tokens: int | None = None  # tokens of ood_text (default: eval_tokens)
     cache: str | None = None  # activation cache folder, shareable between studies (default: OUT/cache)
-    width_multiplier: int = WIDTH_MULTIPLIER
-    """transcoder width m x d_model; MxD gets the experts that match its parameters"""
+    width_multiplier: int | None = None
+    """transcoder width m x d_model; MxD gets the experts that match its parameters (default: 8, more on
+    hosts whose MLP is too wide for a width-8 match: matching.default_width_multiplier)"""
     archs: list[str] | None = None
     """keys of mxd_lens.ARCHITECTURES, with options if wanted (mxd:gate=topk); unset: the paper's MxD (mxd),
     the recommended one (config.RECOMMENDED_MXD), the TopK and the skip transcoder"""
