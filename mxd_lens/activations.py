@@ -51,6 +51,7 @@ from mxd_lens import hooks
 from mxd_lens.config import StreamConfig  # noqa: F401 (re-exported: it configures this module's stream)
 from mxd_lens.fileio import _umask, atomic_write, atomic_write_text, file_digest
 from mxd_lens.hooks import Writes
+from mxd_lens.records import canonical_model_name
 
 MANIFEST = "manifest.json"
 SHARDS = (
@@ -114,10 +115,14 @@ OLD_STREAM_KEYS = {"layers": "blocks", "rows_per_block": "rows_per_shard"}
 
 def upgrade_stream_record(saved: dict[str, Any]) -> dict[str, Any]:
     """A saved stream record (a manifest's or a checkpoint's ``stream``) with today's key names
-    (old-data reader: ``layers`` was renamed ``blocks``, ``rows_per_block`` ``rows_per_shard``)."""
+    (old-data reader: ``layers`` was renamed ``blocks``, ``rows_per_block`` ``rows_per_shard``) and the
+    default model by the name streams record now (``smollm2-135m``, not its ``SmolLM2-135M-Instruct``)."""
     old = [k for k in OLD_STREAM_KEYS if k in saved and OLD_STREAM_KEYS[k] not in saved]
     if old:
         saved = {(OLD_STREAM_KEYS[k] if k in old else k): v for k, v in saved.items()}
+    name = saved.get("model_name")
+    if isinstance(name, str) and canonical_model_name(name) != name:
+        saved = {**saved, "model_name": canonical_model_name(name)}
     return saved
 
 
@@ -162,12 +167,12 @@ class ModelActivations:
         self.writes: Writes = hooks.default_writes(model) if writes is None else writes
         hooks.out_hook(0, self.writes)  # a clear error for another value
         self.text_info: dict[str, Any] | None = None  # set by from_text: where the rows come from
-        from mxd_lens.models import model_source
+        from mxd_lens.models import loadable_name, model_source
 
         self.model_source = model_source(model)  # where the model came from (load_model's record)
         self.rows_per_forward = min(rows_per_forward, rows_per_shard)
         self.info = StreamInfo(
-            model_name=model.cfg.model_name,
+            model_name=loadable_name(model),  # what the layers trained on it record: a name to load it by
             blocks=self.blocks,
             d_in=model.cfg.d_model,
             d_out=model.cfg.d_model,
@@ -476,6 +481,16 @@ def write_cache(
             existing["stream"] = upgrade_stream_record(existing["stream"])
             if "model" not in existing:  # written before the model's source was recorded: not a difference
                 manifest.pop("model")
+            elif isinstance(manifest["model"], dict) and isinstance(existing["model"], dict):
+                # how the model was loaded, recorded since --dtype: older caches were made in float32
+                old = existing["model"]
+                manifest["model"] = {
+                    k: v
+                    for k, v in manifest["model"].items()
+                    if k in old or k not in HOST_KEYS or k == "dtype"
+                }
+                if "dtype" not in old and manifest["model"].get("dtype") == "float32":
+                    manifest["model"].pop("dtype", None)
             if _comparable(existing) != _comparable(manifest):
                 there, asked = existing["stream"].get("hook_names") or {}, manifest["stream"]["hook_names"]
                 moved = sorted(
@@ -558,6 +573,9 @@ def write_cache(
     return path
 
 
+HOST_KEYS = ("dtype", "prepend_bos", "special_tokens")  # how a model source says the model was loaded
+
+
 def _comparable(manifest: dict[str, Any]) -> dict[str, Any]:
     """A manifest as far as it decides the shards' content: the text by its digests and split, not by
     how its path was spelled (relative, absolute, a package resource name); the model by its identity."""
@@ -566,8 +584,8 @@ def _comparable(manifest: dict[str, Any]) -> dict[str, Any]:
     text, model = manifest.get("text"), manifest.get("model")
     if isinstance(text, dict) and "digests" in text:
         text = {k: v for k, v in text.items() if k not in ("text", "path")}
-    if isinstance(model, dict) and "kind" in model:  # which weights, not where they were read from
-        model = model_identity(model)
+    if isinstance(model, dict) and "kind" in model:  # which weights (not where they were read from), run how
+        model = {**model_identity(model), **{k: model[k] for k in HOST_KEYS if k in model}}
     return {**manifest, "text": text, "model": model}
 
 

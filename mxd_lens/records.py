@@ -158,3 +158,78 @@ def model_shape(model: Any) -> dict[str, Any]:
     """The architecture's sizes and kinds (``cfg`` fields), the same for one model loaded from any
     source (a .gguf, its Hugging Face folder, the hub): what splicing a layer into it needs."""
     return {key: getattr(model.cfg, key, None) for key in SHAPE_FIELDS}
+
+
+# The model's names: what a layer records as its metadata.model_name, and what splicing compares it with.
+# Here (a module importing none of mxd_lens), not in mxd_lens.models, so hooks reads them without the loaders.
+
+# Every spelling of the default model load_model accepts (any case): mxd_lens.config.DEFAULT_MODEL, the
+# model's name, its Hugging Face hub id (mxd_lens.config.DEFAULT_HUB_ID).
+DEFAULT_MODEL_ALIASES = ("smollm2-135m", "smollm2-135m-instruct", "huggingfacetb/smollm2-135m-instruct")
+
+
+def is_default_model(name: Any) -> bool:
+    """Whether ``name`` is a spelling of the default model ``load_model`` accepts (any case):
+    ``smollm2-135m``, ``SmolLM2-135M-Instruct``, ``HuggingFaceTB/SmolLM2-135M-Instruct``."""
+    return isinstance(name, str) and name.strip().lower() in DEFAULT_MODEL_ALIASES
+
+
+def canonical_model_name(name: str) -> str:
+    """``name``, or ``"smollm2-135m"`` for any spelling of the default: what layers and streams record
+    since :func:`loadable_name` (streams and checkpoints written before it read back the same)."""
+    return DEFAULT_MODEL_ALIASES[0] if is_default_model(name) else name
+
+
+def _source(model: Any) -> dict[str, Any]:
+    return dict(getattr(model, "mxd_lens_source", None) or {})
+
+
+def loadable_name(model: Any) -> str:
+    """The name a layer made for ``model`` records as its ``metadata.model_name``: one to load the host
+    by. The default model's ``"smollm2-135m"``; for a TransformerLens name, that name; for a .gguf file
+    or folder, its Hugging Face hub id when its metadata names it (``hub_id`` in its source, see
+    ``mxd_lens.models.load_model``), else its ``cfg.model_name`` (the file's stem or the folder's name);
+    for a model ``load_model`` did not load, its ``cfg.model_name``."""
+    source = _source(model)
+    if source.get("kind") == "default":
+        return DEFAULT_MODEL_ALIASES[0]
+    if source.get("kind") == "transformer_lens" and source.get("name"):
+        return str(source["name"])
+    return str(source.get("hub_id") or source.get("repo_id") or model.cfg.model_name)
+
+
+def model_names(model: Any) -> set[str]:
+    """Every name ``model`` goes by, lower-cased, each also without its organisation prefix: its
+    ``cfg.model_name``, the name it was loaded by (the default's, a TransformerLens name), its hub id,
+    and for the default model every spelling of it ``load_model`` accepts."""
+    source = _source(model)
+    names = {model.cfg.model_name, source.get("model_name"), source.get("hub_id"), source.get("repo_id")}
+    if source.get("kind") == "default":
+        names |= set(DEFAULT_MODEL_ALIASES)
+    if source.get("kind") in ("default", "transformer_lens"):
+        names.add(source.get("name"))
+    lowered = {str(n).strip().lower() for n in names if n}
+    return lowered | {n.rsplit("/", 1)[-1] for n in lowered}
+
+
+def is_named(model: Any, name: str) -> bool:
+    """Whether ``name`` (a layer's ``metadata.model_name``) is one of ``model``'s names
+    (:func:`model_names`: compared in lower case, with or without an organisation prefix)."""
+    lowered = str(name).strip().lower()
+    names = model_names(model)
+    return lowered in names or lowered.rsplit("/", 1)[-1] in names
+
+
+def check_dense(model_or_cfg: Any) -> None:
+    """Raise a clear error if a model (or its TransformerLens config) has mixture-of-experts MLPs
+    (``cfg.num_experts``: TL's ``MoE``, Mixtral, OLMoE, GPT-OSS): mxd-lens layers replace one dense MLP."""
+    cfg = getattr(model_or_cfg, "cfg", model_or_cfg)
+    experts = getattr(cfg, "num_experts", None)
+    if experts:
+        name = getattr(cfg, "original_architecture", None) or getattr(cfg, "model_name", "this model")
+        active = getattr(cfg, "experts_per_token", None)
+        raise ValueError(
+            f"{name}'s MLP is a mixture of experts (TransformerLens MoE, {experts} experts per block"
+            f"{f', {active} active' if active else ''}); mxd-lens layers replace a dense MLP, so none can be "
+            "built for, cached from or spliced into it: use a model with dense MLPs (cfg.num_experts unset)"
+        )

@@ -72,8 +72,8 @@ class LearnerSpec:
     """One layer to train. ``width_multiplier`` m sets the transcoder width H = m * d_in; an MxD gets
     the experts that match that transcoder's parameters (``match_experts``). None (the default): the
     run's stream chooses it, ``matching.default_width_multiplier`` (8, or more on hosts whose MLP is too
-    wide for a width-8 match; the trainer logs it). ``d_sae`` instead sets the number of units
-    (experts / latents) directly."""
+    wide for a width-8 match), set by the Trainer on the spec itself and logged. ``d_sae`` instead sets
+    the number of units (experts / latents) directly."""
 
     arch: str  # a key of mxd_lens.ARCHITECTURES (the built-in ones, or one registered)
     block: int  # the transformer block whose MLP it replaces
@@ -128,7 +128,9 @@ class LearnerSpec:
             size = f"n{self.d_sae}"
         elif self.width_multiplier is None:
             raise ValueError(
-                "the width multiplier is chosen from the stream: resolve the spec first (LearnerSpec.sized)"
+                f"LearnerSpec({self.arch!r}, block {self.block}): its width multiplier is chosen from the stream, "
+                "so it has no name until a Trainer (or LearnerSpec.size_for(stream info)) has sized it; or give "
+                "width_multiplier"
             )
         else:
             size = f"m{self.width_multiplier}"
@@ -159,12 +161,15 @@ class LearnerSpec:
             key, hooks.block_of(layer), layer.cfg.k, init="given", d_sae=layer.cfg.d_sae, options=options
         )
 
-    def sized(self, info: StreamInfo) -> LearnerSpec:
-        """This spec with its width multiplier chosen for the stream ``info`` describes, when not given
-        (``matching.default_width_multiplier``: every learner of a run gets the same m)."""
-        if self.width_multiplier is not None or self.d_sae is not None:
-            return self
-        return dataclasses.replace(self, width_multiplier=default_width(info))
+    def size_for(self, info: StreamInfo) -> bool:
+        """Set the width multiplier, if not given, to the one chosen for the stream ``info`` describes
+        (``matching.default_width_multiplier``: every learner of a run gets the same m). In place, as the
+        Trainer does for the specs it is given, so that ``spec.name`` then names the trained layer.
+        True if it was chosen here."""
+        if self.width_multiplier is not None:
+            return False
+        self.width_multiplier = default_width(info)
+        return True
 
     @property
     def normalizes_decoder(self) -> bool:
@@ -189,7 +194,8 @@ def build_layer(
 
     if spec.block not in info.blocks:
         raise ValueError(f"{spec.name}: the stream holds blocks {info.blocks}, not {spec.block}")
-    width = spec.sized(info).width_multiplier * info.d_in
+    spec.size_for(info)
+    width = spec.width_multiplier * info.d_in
     hook_in, hook_out = info.hook_names[str(spec.block)]
     common = dict(
         d_in=info.d_in,
@@ -232,11 +238,11 @@ def _admit(
         spec = LearnerSpec.of(item)
         _check_given(item, spec, info)
         return spec, item.to(device)
+    item.size_for(info)
     if item.init == "given":
         raise ValueError(
             f"{item.name}: init='given' means a layer built by the caller; pass the layer itself"
         )
-    item = item.sized(info)
     layer = build_layer(item, info, seed=seed * 7919 + index, device=device)
     if item.init == "mlp":
         if model is None:
@@ -288,10 +294,10 @@ class Trainer(TrainingLoop):
         self._check_budget()
         self.k_aux = config.k_aux if config.k_aux is not None else max(1, source.info.d_out // 2)
         # Specs become layers here, once; from now on the trainer works on the layers.
+        chosen = sorted({default_width(source.info) for item in specs
+                         if isinstance(item, LearnerSpec) and item.width_multiplier is None and item.d_sae is None})  # fmt: skip
         admitted = [_admit(item, i, source.info, config.seed, model, device) for i, item in enumerate(specs)]
         names = [spec.name for spec, _ in admitted]
-        chosen = sorted({spec.width_multiplier for (spec, _), item in zip(admitted, specs, strict=True)
-                         if isinstance(item, LearnerSpec) and item.width_multiplier is None and item.d_sae is None})  # fmt: skip
         if chosen:
             log.info(
                 "width multiplier m = %s, chosen for this host (d_in %d, MLP width %d%s): the smallest m >= %d at "

@@ -368,3 +368,33 @@ def test_a_source_missed_by_name_is_an_error_not_a_wrong_answer(monkeypatch):
     monkeypatch.setattr(attribution, "_BIAS_NAMES", ("b_O", "b_U", "b"))  # the old rule's blind spot
     with mxd_lens.splice(model, layer), pytest.raises(RuntimeError, match="does not recognise as a source"):
         attribute(model, tokens, logit_target(token=7))
+
+
+def test_a_soft_capped_head_is_linearised_at_the_prompt_and_the_parts_still_sum():
+    """Gemma-2's logits are cap * tanh(u / cap): attribution freezes that tanh at its tangent on the
+    prompt, as it freezes patterns and norm scales. The target is the model's own, the parts (with the
+    tangent's offset as one of them) sum to it, and removing a contribution moves the frozen target by
+    exactly its attribution."""
+    model = make_model("gated")
+    model.cfg.output_logits_soft_cap = 2.0  # small, so the tanh bends: logits here reach about ±3
+    layer = randomise(MxD.for_model(model, 1, d_sae=24, k=4), 5, scale=0.3)
+    tokens = torch.randint(0, model.cfg.d_vocab, (1, 10), generator=torch.Generator().manual_seed(0))
+    target = logit_target(token=7, minus=3)
+    with mxd_lens.splice(model, layer):
+        result = attribute(model, tokens, target)
+        with torch.no_grad():
+            logits = model(tokens)
+            real = float(target(logits))
+        assert logits.abs().max() < 2.0 and model.cfg.output_logits_soft_cap == 2.0  # the cap was applied
+        assert result.target == pytest.approx(real, rel=1e-5)
+        assert result.completeness <= 1e-4, (result.total, result.target)
+        assert (result.parts.kind == "logit soft-cap (linearised)").sum() == 1
+        top = result.top(1).iloc[0]
+        split = contributions(layer, torch.as_tensor(_mlp_in(model, tokens, 1)))
+        t, unit = int(top.position), int(top.unit)
+        j = int((split.indices[t] == unit).nonzero())
+        edited = result.frozen["blocks.1.hook_mlp_out"].clone()
+        edited[0, t] -= split.vectors[t, j]
+        edit = {"blocks.1.hook_mlp_out": edited}
+        moved = frozen_target(model, tokens, target, result, edit=edit) - result.target
+        assert moved == pytest.approx(-top.attribution, rel=1e-4, abs=1e-6)

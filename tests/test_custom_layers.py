@@ -139,7 +139,7 @@ def test_an_installed_plugin_is_registered_from_its_entry_point(monkeypatch):
     try:
         assert "plugged" not in mxd_lens.ARCHITECTURES
         assert registry.get_architecture("plugged") is module.LowRankSkipTranscoder
-        assert LearnerSpec("plugged", 1, k=4).name == "L1.plugged.k4.m8"
+        assert LearnerSpec("plugged", 1, k=4, width_multiplier=8).name == "L1.plugged.k4.m8"
     finally:
         layer_cls = mxd_lens.ARCHITECTURES.pop("plugged", None)
         if layer_cls is not None:

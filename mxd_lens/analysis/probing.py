@@ -135,11 +135,11 @@ def pooled_activations(
             sums = torch.zeros(len(chunk), rep.d_sae, dtype=values.dtype, device=values.device)
             sums.scatter_add_(1, units.flatten(1), (values * weights.to(values.dtype)).flatten(1))
             pooled[name] = sums
-        for index in dense_layers:
+        for index in dense_layers:  # pooled in float32 whatever the model's dtype (--dtype bfloat16)
             for kind, key in zip(DENSE, ("in", "out"), strict=True):
-                pooled[dense_key(kind, index)] = (io[index][key] * weights).sum(1)
+                pooled[dense_key(kind, index)] = (io[index][key].float() * weights).sum(1)
             if neurons:
-                pooled[neuron_key(index)] = (hidden[index] * weights.to(hidden[index].dtype)).sum(1)
+                pooled[neuron_key(index)] = (hidden[index].float() * weights).sum(1)
         for name, value in pooled.items():
             if name not in out:
                 out[name] = torch.empty(len(ids), value.shape[-1], dtype=torch.float32)

@@ -44,6 +44,9 @@ class Study:
     where: str = "mxd_lens.studies.common:Where"
     """``"module:Class"``: the options every such verb shares (model, output folder, threads); a class
     without ``out`` means the study writes nothing of its own (eval records into the layers)"""
+    check: str | None = None
+    """``"module:function"``: ``check(options)``, run by the verb before the host model is loaded, so
+    options that cannot work are refused (a ValueError) before any heavy work; None: no check"""
 
     def options_class(self) -> type:
         return resolve(self.options)
@@ -112,7 +115,7 @@ STUDIES: dict[str, Study] = {
               "mxd_lens.studies.demo:DemoOptions", "mxd_lens.studies.demo.run:run", folder="",
               where="mxd_lens.studies.common:DemoWhere"),
         Study("probe", "sparse probing of saved layers", "mxd_lens.studies.probe:ProbeOptions",
-              "mxd_lens.studies.probe.run:run", folder="probing"),
+              "mxd_lens.studies.probe.run:run", folder="probing", check="mxd_lens.studies.probe.run:check"),
         Study("probe-merge", "one probing report from several probing studies of the same suite",
               "mxd_lens.studies.probe:MergeOptions", "mxd_lens.studies.probe.run:merge", model=None, folder="", where="mxd_lens.studies.common:Output"),
         Study("steer", "steering with saved layers, scored offline", "mxd_lens.studies.steer:SteerOptions",

@@ -2,20 +2,22 @@
 
 from __future__ import annotations
 
+import json
+from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from mxd_lens.config import DEFAULT_MODEL
+from mxd_lens.config import HostOptions
 
 
 @dataclass
-class Where:
+class Where(HostOptions):
     """The model and where to write."""
 
     model: str | None = None
-    """model name or path (default: the study's; smollm2-135m for most, the layers' training model for eval)"""
-    tl_name: str | None = None
-    """for a .gguf file or folder: the TransformerLens official name whose architecture to build with"""
+    """model name or path (default: the model the layers' training record or metadata names, else
+    smollm2-135m)"""
     out: str = "results"
     """output folder (each study writes its own folder in it: OUT/probing, OUT/steering, ...)"""
     threads: int = 0
@@ -41,11 +43,11 @@ class Output:
 
 
 @dataclass
-class ModelOnly:
+class ModelOnly(HostOptions):
     """The model the layers replace MLPs of."""
 
     model: str | None = None
-    """model name or path (default: the model the layers' training record names, else smollm2-135m)"""
+    """model name or path (default: the model the layers' training record or metadata names, else smollm2-135m)"""
     tl_name: str | None = None
     """for a .gguf file or folder: the TransformerLens official name whose architecture to build with
     (default: the one the training record names, if any)"""
@@ -53,8 +55,56 @@ class ModelOnly:
     """torch CPU threads (0: torch's default, every core); on a shared machine, fewer"""
 
 
-def host_model(where: Where, options: Any) -> Any:
-    """The HookedTransformer ``--model`` names (the default model when it names none)."""
-    from mxd_lens.models import load_model
+def host_model(where: HostOptions, options: Any) -> Any:
+    """The HookedTransformer ``--model`` names; without one, the model the study's saved layers
+    (``options.layers`` or ``options.layer``) were trained on, loaded as their training record says
+    (:func:`layers_model`), else the default model. The name is resolved from the layers' cfg.json
+    before anything is loaded, and a name nothing can load is refused, naming the fix, before any
+    model is read."""
+    from mxd_lens.models import UnknownModelError, load_host
 
-    return load_model(where.model or DEFAULT_MODEL, tl_name=where.tl_name)
+    if where.model:
+        return load_host(where)
+    name, recorded, origin = layers_model(layer_paths(options))
+    try:
+        return load_host(where, name=name, recorded=recorded)
+    except UnknownModelError as err:
+        if origin is None:
+            raise
+        raise UnknownModelError(
+            f"{origin} names the model {name!r}, which cannot be loaded here ({err}); give --model: the "
+            "model the layer was trained on, by a name load_model knows or the path of its .gguf file or folder"
+        ) from None
+
+
+def layer_paths(options: Any) -> list[str]:
+    """The saved layers a study's options name (``layers``: a list or one folder; ``layer``)."""
+    for attribute in ("layers", "layer"):
+        value = getattr(options, attribute, None)
+        if value:
+            return [str(value)] if isinstance(value, (str, Path)) else [str(v) for v in value]
+    return []
+
+
+def layers_model(paths: Sequence[str | Path]) -> tuple[str, dict[str, Any] | None, str | None]:
+    """(the model to load, the model source the layer's training record holds or None, where the name
+    was read) for saved layers, from the first layer's cfg.json alone (nothing is loaded): the model its
+    mxd-lens training record names (as :func:`mxd_lens.studies.eval.run.recorded_model` finds it from
+    here); for a layer from elsewhere, the ``model_name`` of its SAELens metadata (``load_model`` takes
+    any spelling of the default model's name); without layers, the default model."""
+    from mxd_lens.config import DEFAULT_MODEL
+
+    if not paths:
+        return DEFAULT_MODEL, None, None
+    from mxd_lens.layers.io import layer_folders
+    from mxd_lens.records import TrainingRecord
+    from mxd_lens.studies.eval.run import _ours, recorded_model
+
+    first = layer_folders(list(paths))[0]
+    cfg = json.loads((first / "cfg.json").read_text())
+    meta = cfg.get("metadata") or {}
+    record = TrainingRecord.from_dict(meta.get("training")).model_source
+    if not record and meta.get("model_name") and not _ours(cfg.get("architecture")):  # from elsewhere
+        return str(meta["model_name"]), None, f"{first / 'cfg.json'} (metadata.model_name)"
+    origin = f"{first / 'cfg.json'} (metadata.training.model)" if record else None
+    return recorded_model(record, first), record or None, origin

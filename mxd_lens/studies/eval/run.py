@@ -51,21 +51,13 @@ def eval_result(rows: list[dict[str, Any]], recorded: bool) -> StudyResult:
 
 def model_for_layers(where: Any, options: EvalOptions) -> Any:
     """The model ``--model`` names, else the one the first layer's training record names (as
-    :func:`recorded_model` finds it from here), else, for a layer from elsewhere (no training record),
-    the ``model_name`` its SAELens metadata names, else the default model."""
-    from mxd_lens.layers.io import layer_folders
-    from mxd_lens.models import load_model
+    :func:`recorded_model` finds it from here, loaded with the dtype, BOS and special tokens it
+    records), else, for a layer from elsewhere (no training record), the ``model_name`` its SAELens
+    metadata names (any spelling of the default's), else the default model
+    (:func:`mxd_lens.studies.common.host_model`)."""
+    from mxd_lens.studies.common import host_model
 
-    name, tl_name = where.model, where.tl_name
-    if name is None:  # the record alone, from cfg.json (evaluate_saved loads the layers themselves, once)
-        first = layer_folders(options.layers)[0]
-        cfg = json.loads((first / "cfg.json").read_text())
-        meta = cfg.get("metadata") or {}
-        record = TrainingRecord.from_dict(meta.get("training")).model_source
-        foreign = not record and meta.get("model_name") and not _ours(cfg.get("architecture"))
-        name = meta["model_name"] if foreign else recorded_model(record, first)
-        tl_name = tl_name or record.get("tl_name")
-    return load_model(name, tl_name=tl_name)
+    return host_model(where, options)
 
 
 def recorded_model(record: dict[str, Any], folder: Path) -> str:

@@ -41,6 +41,7 @@ from mxd_lens.activations import (
 from mxd_lens.evaluation import check_disjoint, evaluate, held_out_batches
 from mxd_lens.fileio import atomic_write_text
 from mxd_lens.layers import arch_label
+from mxd_lens.models import loadable_name
 from mxd_lens.studies import StudyResult
 from mxd_lens.studies.frontier import FrontierConfig, FrontierOptions, ReportOptions
 from mxd_lens.training import LearnerSpec, Trainer
@@ -135,7 +136,7 @@ def run_frontier(
             write_results(rows_out, config, out)
             continue
         source = CachedActivations(
-            cache, blocks=[block], expect={"model_name": model.cfg.model_name}, max_shards=n_shards
+            cache, blocks=[block], expect={"model_name": loadable_name(model)}, max_shards=n_shards
         )
         train_config = config.train_config(seed)
         trainer = Trainer(specs, source, train_config, folder, progress=progress, data_info=text_info)

@@ -34,14 +34,9 @@ def run(model: Any, options: ProbeOptions, out: Path, task_sets: Sequence[Any] |
     from mxd_lens.layers.io import load_layers
     from mxd_lens.records import TrainingRecord
 
+    task_sets = suite(options, task_sets)
     layers = load_layers(options.layers, foreign=True)
     data = options.data or tasks.bundled_data()
-    if task_sets is None:
-        task_sets = (
-            tasks.offline_suite(options.per_class, data)
-            if options.suite == "offline"
-            else list(tasks.SAEBENCH)
-        )
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     table, _ = run_probing(
@@ -66,6 +61,36 @@ def run(model: Any, options: ProbeOptions, out: Path, task_sets: Sequence[Any] |
                        "family": s.family} for s in task_sets],
     }  # fmt: skip
     return probing_result(table, record)
+
+
+def suite(options: ProbeOptions, task_sets: Sequence[Any] | None = None) -> list[Any]:
+    """The task sets the study probes (``task_sets``, else ``options.suite`` on ``options.data``), refused
+    when they hold fewer than 2 tasks: the report compares layers over tasks (means, standard errors,
+    paired differences), which one task cannot give. Reads no text, loads no model."""
+    from mxd_lens.analysis import tasks
+
+    if task_sets is None:
+        data = options.data or tasks.bundled_data()
+        task_sets = (
+            tasks.offline_suite(options.per_class, data)
+            if options.suite == "offline"
+            else list(tasks.SAEBENCH)
+        )
+    names = [task for s in task_sets for task in s.tasks]
+    if len(names) < 2:
+        where = f"--data {options.data}" if options.data else "the task sets given"
+        raise ValueError(
+            f"{where} holds {len(names)} probing task(s) ({', '.join(names) or 'none'}); probing compares "
+            "layers over at least 2 tasks: give --data a folder holding more of the offline suite's files "
+            "(a set of N classes gives N tasks, a binary set 1; leave --data out for the bundled sets, "
+            "docs/data.md), or --suite saebench"
+        )
+    return list(task_sets)
+
+
+def check(options: ProbeOptions) -> None:
+    """What the verb checks before loading the model: the suite (:func:`suite`)."""
+    suite(options)
 
 
 def merge(model: Any, options: MergeOptions, out: Path) -> StudyResult:

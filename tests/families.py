@@ -1,0 +1,219 @@
+"""Tiny random models of every MLP-bearing family TransformerLens 3.9 converts, built the way TL converts
+that family (tests/test_families.py checks each guarantee of the docs on them).
+
+Preferred route (``route="folder"``): a tiny random *transformers* model of the family (hidden 32, 3
+layers, 4 heads, the word tokenizer of tests/conftest.py), every parameter drawn from N(0, 0.2) (norms and
+biases non-trivial), saved with ``save_pretrained`` and loaded with ``mxd_lens.models.load_model(folder)``:
+exactly how a user's local folder is converted (TL's ``get_pretrained_model_config`` +
+``get_pretrained_state_dict``). OLMo-2 (``route="tl_config"``): TL 3.9 builds it from an official name
+only (a folder raises NotImplementedError, and the name's config comes from the hub), so its
+``HookedTransformerConfig`` holds the fields TL's OLMo-2 branch sets (sizes from the folder's config) and
+its weights come from TL's own ``convert_olmo2_weights`` on the transformers model. Mixtral
+(``route="moe"``): built by TL's own config and weight conversion (what load_model would do), so the
+refusals can be checked on the real MoE block.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from conftest import WORDS, make_tokenizer
+
+D_MODEL, N_LAYERS, N_HEADS, N_CTX = 32, 3, 4, 16
+D_HEAD = D_MODEL // N_HEADS
+
+
+@dataclass(frozen=True)
+class Family:
+    key: str  # test id
+    title: str  # the table's row name
+    config: str  # transformers config class
+    arch: str  # transformers model class
+    kwargs: dict[str, Any]  # config fields besides vocab_size (and the special-token ids)
+    route: str = "folder"  # "folder": load_model(folder); "tl_config": see the module doc; "moe": refused
+    notes: str = ""  # what the row is, how it is built, what TL does with it
+    tags: tuple[str, ...] = field(
+        default=()
+    )  # "softcap": final logit soft-cap (attribution linearises it at the prompt)
+
+
+def _attn(**extra: Any) -> dict[str, Any]:
+    """The Llama-style size fields."""
+    return dict(hidden_size=D_MODEL, num_hidden_layers=N_LAYERS, num_attention_heads=N_HEADS,
+                max_position_embeddings=N_CTX, **extra)  # fmt: skip
+
+
+FAMILIES: list[Family] = [
+    Family("gpt2", "GPT-2", "GPT2Config", "GPT2LMHeadModel",
+           dict(n_embd=D_MODEL, n_layer=N_LAYERS, n_head=N_HEADS, n_positions=N_CTX),
+           notes="LayerNorm, GELU (tanh), learned positions; TL takes d_mlp = 4 d_model"),
+    Family("gpt_neo", "GPT-Neo", "GPTNeoConfig", "GPTNeoForCausalLM",
+           dict(hidden_size=D_MODEL, num_layers=N_LAYERS, num_heads=N_HEADS, max_position_embeddings=N_CTX,
+                attention_types=[[["global", "local"], 1], [["global"], 1]], window_size=4),
+           notes="global and local (window 4) attention layers, no attention scaling"),
+    Family("gptj", "GPT-J", "GPTJConfig", "GPTJForCausalLM",
+           dict(n_embd=D_MODEL, n_layer=N_LAYERS, n_head=N_HEADS, n_positions=N_CTX, rotary_dim=4),
+           notes="attention and MLP in parallel, one LayerNorm; rotary on 4 of 8 head dims (adjacent pairs)"),
+    Family("pythia", "GPT-NeoX / Pythia", "GPTNeoXConfig", "GPTNeoXForCausalLM",
+           _attn(intermediate_size=4 * D_MODEL),
+           notes="attention and MLP in parallel (use_parallel_residual), exact GELU, rotary on 25% of d_head"),
+    Family("opt", "OPT", "OPTConfig", "OPTForCausalLM",
+           dict(_attn(), ffn_dim=4 * D_MODEL, word_embed_proj_dim=D_MODEL, do_layer_norm_before=True),
+           notes="ReLU MLP, learned positions (offset 2)"),
+    Family("bloom", "BLOOM", "BloomConfig", "BloomForCausalLM",
+           dict(hidden_size=D_MODEL, n_layer=N_LAYERS, n_head=N_HEADS),
+           notes="ALiBi, LayerNorm after the embedding, gelu_fast; TL takes d_mlp = 4 d_model"),
+    Family("llama", "Llama", "LlamaConfig", "LlamaForCausalLM",
+           _attn(intermediate_size=2 * D_MODEL, num_key_value_heads=2),
+           notes="RMSNorm, gated SiLU MLP, rotary, GQA (2 key/value heads)"),
+    Family("mistral", "Mistral", "MistralConfig", "MistralForCausalLM",
+           _attn(intermediate_size=2 * D_MODEL, num_key_value_heads=2, head_dim=D_HEAD, sliding_window=4),
+           notes="Llama block with a sliding window (4 here, inside the 12-token prompts)"),
+    Family("qwen2", "Qwen2", "Qwen2Config", "Qwen2ForCausalLM",
+           _attn(intermediate_size=176, num_key_value_heads=2),
+           notes="GQA (2 key/value heads of 4) with Q/K/V biases; d_mlp = 5.5 d_model, the real models' ratio "
+                 "(Qwen2.5-0.5B: 5.43), so the default width is exercised on a gated MLP. transformers 5 loads any "
+                 "tokenizer in a qwen2 folder as Qwen2Tokenizer, which splits the test's words, so the model is "
+                 "given the word tokenizer with set_tokenizer"),
+    Family("qwen3", "Qwen3", "Qwen3Config", "Qwen3ForCausalLM",
+           _attn(intermediate_size=2 * D_MODEL, num_key_value_heads=2, head_dim=D_HEAD),
+           notes="QK-norm (RMSNorm on queries and keys), GQA"),
+    Family("gemma", "Gemma-1", "GemmaConfig", "GemmaForCausalLM",
+           _attn(intermediate_size=2 * D_MODEL, num_key_value_heads=2, head_dim=D_HEAD),
+           notes="TL builds Gemma only by name: load_model's template google/gemma-2b, sizes from the folder"),
+    Family("gemma2", "Gemma-2", "Gemma2Config", "Gemma2ForCausalLM",
+           _attn(intermediate_size=2 * D_MODEL, num_key_value_heads=2, head_dim=D_HEAD, sliding_window=4),
+           notes="post-norms (ln2_post: layers write the MLP module), attention and final logit soft-caps, "
+                 "sliding window; template google/gemma-2-2b",
+           tags=("softcap",)),
+    Family("gemma3", "Gemma-3", "Gemma3TextConfig", "Gemma3ForCausalLM",
+           _attn(intermediate_size=2 * D_MODEL, num_key_value_heads=2, head_dim=D_HEAD, sliding_window=4),
+           notes="post-norms, QK-norm, local/global layers, no soft-caps; template google/gemma-3-270m"),
+    Family("phi2", "Phi-2", "PhiConfig", "PhiForCausalLM",
+           _attn(intermediate_size=4 * D_MODEL),
+           notes="parallel attention and MLP, partial rotary (50%), LayerNorm with biases"),
+    Family("phi3", "Phi-3", "Phi3Config", "Phi3ForCausalLM",
+           _attn(intermediate_size=2 * D_MODEL, num_key_value_heads=2, pad_token_id=None),
+           notes="fused QKV and gate/up projections (split by TL's converter), GQA"),
+    Family("olmo2", "OLMo-2", "Olmo2Config", "Olmo2ForCausalLM",
+           _attn(intermediate_size=2 * D_MODEL, pad_token_id=None), route="tl_config",
+           notes="post-norm block (ln2 after the MLP) and QK-norm; TL 3.9 builds OLMo-2 only by name "
+                 "(load_model on a folder: NotImplementedError), so the model is TL's OLMo-2 config fields "
+                 "in a HookedTransformerConfig + TL's convert_olmo2_weights, checked against transformers"),
+    Family("stablelm", "StableLM-alpha", "GPTNeoXConfig", "GPTNeoXForCausalLM",
+           _attn(intermediate_size=4 * D_MODEL, rope_parameters={"rope_theta": 10000.0,
+                 "partial_rotary_factor": 0.25, "rope_type": "default"}),
+           notes="stablelm-base/tuned-alpha are GPTNeoXForCausalLM (rotary_pct 0.25): TL converts them with "
+                 "its GPT-NeoX branch (rotary_dim = round(0.25 d_head)); the newer StableLmForCausalLM "
+                 "(StableLM-2, 3B-4E1T) has no TL 3.9 converter and load_model refuses it by name"),
+    Family("mixtral", "Mixtral", "MixtralConfig", "MixtralForCausalLM",
+           _attn(intermediate_size=2 * D_MODEL, num_key_value_heads=2, head_dim=D_HEAD, num_local_experts=4,
+                 num_experts_per_tok=2), route="moe",
+           notes="MoE MLP (TL's MoE, 4 experts, 2 active): refused by name wherever a layer would be built, "
+                 "cached from or spliced in, and at load_model"),
+]  # fmt: skip
+BY_KEY = {f.key: f for f in FAMILIES}
+
+TOKENIZER_TEXT = " ".join(WORDS)
+
+
+def corpus(n_docs: int = 60, seed: int = 0) -> str:
+    """Random sentences over the tokenizer's words, documents separated by blank lines (what
+    conftest.make_text_model writes)."""
+    rng = random.Random(seed)
+    return "\n\n".join(" ".join(rng.choice(WORDS) for _ in range(rng.randint(8, 30))) for _ in range(n_docs))
+
+
+def hf_model(family: Family, seed: int = 0):
+    """The tiny random transformers model of ``family`` and its word tokenizer."""
+    import transformers
+
+    tok = make_tokenizer([TOKENIZER_TEXT])
+    ids = dict(bos_token_id=0, eos_token_id=1)
+    config = getattr(transformers, family.config)(vocab_size=len(tok), **{**ids, **family.kwargs})
+    torch.manual_seed(seed)
+    model = getattr(transformers, family.arch)(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2)  # non-trivial norms and biases too
+    return model, tok
+
+
+def hf_folder(root: Path, family: Family, seed: int = 0) -> tuple[Path, Any]:
+    """``family``'s tiny model saved as a Hugging Face folder ``root / family.key`` (with its tokenizer)."""
+    model, tok = hf_model(family, seed)
+    folder = Path(root) / family.key
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder, model
+
+
+def olmo2_from_tl_config(folder: Path, hf: Any):
+    """OLMo-2 as TL 3.9 would build it by name: its OLMo-2 branch's fields (convert_hf_model_config,
+    "allenai/OLMo-2-0425-1B") with the folder's sizes, through TL's get_pretrained_model_config, and the
+    weights from TL's own converter (get_pretrained_state_dict -> convert_olmo2_weights)."""
+    from transformer_lens import HookedTransformer
+    from transformer_lens import loading_from_pretrained as tl
+    from transformers import AutoTokenizer
+
+    c = hf.config
+    cfg_dict = {
+        "d_model": c.hidden_size, "d_head": c.hidden_size // c.num_attention_heads, "n_heads": c.num_attention_heads,
+        "d_mlp": c.intermediate_size, "n_layers": c.num_hidden_layers, "n_ctx": c.max_position_embeddings,
+        "eps": c.rms_norm_eps, "d_vocab": c.vocab_size, "act_fn": "silu", "initializer_range": 0.02,
+        "normalization_type": "RMS", "rotary_base": c.rope_parameters["rope_theta"],
+        "attn_types": ["global"] * c.num_hidden_layers, "positional_embedding_type": "rotary",
+        "gated_mlp": True, "original_architecture": "Olmo2ForCausalLM", "tokenizer_name": None,
+    }  # fmt: skip
+    name = "allenai/OLMo-2-0425-1B"
+    original = tl.convert_hf_model_config
+    tl.convert_hf_model_config = lambda *args, **kwargs: dict(cfg_dict)
+    try:
+        cfg = tl.get_pretrained_model_config(name, fold_ln=False, device="cpu", dtype=torch.float32)
+    finally:
+        tl.convert_hf_model_config = original
+    state_dict = tl.get_pretrained_state_dict(name, cfg, hf, dtype=torch.float32)
+    cfg.model_name = "olmo2"
+    model = HookedTransformer(cfg, AutoTokenizer.from_pretrained(folder), move_to_device=False)
+    model.load_and_process_state_dict(state_dict, fold_ln=False, center_writing_weights=False,
+                                      center_unembed=False, fold_value_biases=False)  # fmt: skip
+    return model.eval()
+
+
+def moe_from_tl(folder: Path, hf: Any):
+    """Mixtral's TL model as TL converts a folder (its config branch and weight converter): what
+    load_model would build if it did not refuse it."""
+    from transformer_lens import HookedTransformer
+    from transformer_lens import loading_from_pretrained as tl
+    from transformers import AutoTokenizer
+
+    from mxd_lens.models import _neutral_name
+
+    with _neutral_name(folder) as name:
+        cfg = tl.get_pretrained_model_config(
+            name, hf_cfg=hf.config.to_dict(), device="cpu", dtype=torch.float32
+        )
+        state_dict = tl.get_pretrained_state_dict(name, cfg, hf, dtype=torch.float32)
+    cfg.model_name = "mixtral"
+    model = HookedTransformer(cfg, AutoTokenizer.from_pretrained(folder), move_to_device=False)
+    model.load_and_process_state_dict(state_dict, fold_ln=False, center_writing_weights=False,
+                                      center_unembed=False, fold_value_biases=False)  # fmt: skip
+    return model.eval()
+
+
+def build(root: Path, family: Family) -> tuple[Any, Any, Path]:
+    """(TL model, transformers model, folder) of ``family``: load_model(folder) for the folder route."""
+    from mxd_lens.models import load_model
+
+    folder, hf = hf_folder(root, family)
+    if family.route == "folder":
+        return load_model(str(folder)), hf, folder
+    if family.route == "tl_config":
+        return olmo2_from_tl_config(folder, hf), hf, folder
+    if family.route == "moe":
+        return moe_from_tl(folder, hf), hf, folder
+    raise ValueError(family.route)
