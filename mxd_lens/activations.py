@@ -204,7 +204,7 @@ class ModelActivations:
 
         def rows() -> Iterator[torch.Tensor]:
             texts = data.split_texts(data.iter_texts(text), "train", eval_fraction, split_seed)
-            return token_rows.rows(texts)
+            return token_rows.rows(texts, name=f"{data.text_name(text)} (its train side)")
 
         kwargs.setdefault("drop_first_position", token_rows.prepend_bos)
         stream = cls(model, blocks, rows, context_size=context_size, **kwargs)
@@ -783,11 +783,12 @@ class CachedActivations:
                     position += size
                     continue
                 parts = [self.read(s, lo, hi) for s, lo, hi in pieces_w]
+                for (s, lo, hi), part in zip(pieces_w, parts, strict=True):  # naming the file at fault
+                    _check_finite(part, f"{self.path / self.shard_name(s)} (its tokens {lo:,} to {hi:,})")
                 window = {
                     L: (torch.cat([p[L][0] for p in parts]), torch.cat([p[L][1] for p in parts]))
                     for L in self.blocks
                 }
-                _check_finite(window, f"epoch {epoch}, window {w} of {self.path}")
                 yield position, _permuted(window, _generator(seed, epoch, w))
                 position += size
             epoch += 1

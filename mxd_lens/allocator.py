@@ -26,15 +26,31 @@ log = logging.getLogger(__name__)
 M_TRIM_THRESHOLD = -1  # glibc's mallopt parameter numbers (malloc.h)
 M_MMAP_THRESHOLD = -3
 KEEP_BYTES = 1 << 30
+ENV = "MXD_LENS_KEEP_FREED_MEMORY"
+_ON, _OFF = ("1", "true", "on", "yes"), ("0", "false", "off", "no")
+
+
+def setting_on(name: str, default: bool) -> bool:
+    """An on/off environment variable: 1/true/on/yes is on, 0/false/off/no off (any case, spaces
+    ignored), unset or empty ``default``; anything else raises ValueError naming the variable."""
+    value = os.environ.get(name, "").strip().lower()
+    if not value:
+        return default
+    if value in _ON or value in _OFF:
+        return value in _ON
+    raise ValueError(
+        f"{name}={os.environ[name]!r}: give one of {', '.join(_ON)} (on) or {', '.join(_OFF)} (off), or unset it"
+    )
 
 
 def keep_freed_memory(threshold: int = KEEP_BYTES) -> bool:
     """Set glibc's M_MMAP_THRESHOLD and M_TRIM_THRESHOLD to ``threshold`` bytes (default 1 GiB), so
     freed blocks below it stay in the process for reuse. True when set; False (and a debug log line)
-    where the C library is not glibc or refuses. ``MXD_LENS_KEEP_FREED_MEMORY=0`` in the environment turns
-    it off (a machine short of memory: the process then keeps its peak)."""
-    if os.environ.get("MXD_LENS_KEEP_FREED_MEMORY", "1") == "0":
-        log.debug("keep_freed_memory: off (MXD_LENS_KEEP_FREED_MEMORY=0)")
+    where the C library is not glibc or refuses. ``MXD_LENS_KEEP_FREED_MEMORY=0`` (or false, off, no) in
+    the environment turns it off (a machine short of memory: the process then keeps its peak); another
+    value than those or 1, true, on, yes (any case) raises ValueError (:func:`setting_on`)."""
+    if not setting_on(ENV, default=True):
+        log.debug("keep_freed_memory: off (%s=%s)", ENV, os.environ[ENV])
         return False
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         log.debug("keep_freed_memory: not glibc (%s %s), allocator left as it is", platform.system(),

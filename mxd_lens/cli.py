@@ -45,7 +45,7 @@ class MixCommand:
     sources: list[str] = field(metadata={"custom_args": {"nargs": "+"}, "positional": True})
     """files, folders or datasets, as iter_texts reads them"""
     out: str = "mixed.txt.xz"
-    """the .txt.xz to write"""
+    """the file to write, compressed as its name says: .txt.xz, .txt.gz or .txt (plain); not a source"""
     tokenizer: str | None = None
     """count volume in this tokenizer's tokens (a Hugging Face folder, or 'default' for the default model's)"""
     per_source: int | None = None
@@ -53,7 +53,8 @@ class MixCommand:
 
 
 def _mix(args: argparse.Namespace) -> int:
-    """Interleave the documents of several texts into one .txt.xz: the next document always comes from the
+    """Interleave the documents of several texts into one file (.txt.xz, .txt.gz or .txt by --out's name;
+    --out may not be a source, and no source may be given twice): the next document always comes from the
     source that has given the least so far, so that any prefix holds about as much of each source, whatever
     the length of their documents (a Bible chapter against an Austen paragraph). By characters, or with
     --tokenizer by that tokenizer's tokens; --per-source N stops at N per source (equal shares, refused if a
@@ -239,7 +240,8 @@ def _command() -> str:
 
 
 def _check(args: argparse.Namespace) -> int:
-    """Build, splice, save and reload every layer type on a small random model; print a table."""
+    """Build, splice, save and reload every layer type (MxD, TopK transcoder, skip transcoder, BatchTopK
+    transcoder: every built-in architecture) on small random models; print a table."""
     import warnings
 
     import torch
@@ -250,6 +252,7 @@ def _check(args: argparse.Namespace) -> int:
     import mxd_lens
 
     args = args.check
+    built_in = [cls for cls in mxd_lens.ARCHITECTURES.values() if cls.__module__.startswith("mxd_lens.")]
     torch.manual_seed(args.seed)
     rows = []
     for kind, extra in (
@@ -273,13 +276,11 @@ def _check(args: argparse.Namespace) -> int:
             clean = model(tokens, return_type="loss").item()
             width = args.m * cfg.d_model
             n = mxd_lens.match_experts(width, cfg.d_model, cfg.d_model, cfg.d_mlp, glu=cfg.gated_mlp)
-            layers = {
-                "MxD.from_mlp": mxd_lens.MxD.from_mlp(model, 1),
-                f"MxD (N={n}, untrained)": mxd_lens.MxD.for_model(model, 1, d_sae=n, k=args.k),
-                f"Transcoder (H={width}, untrained)": mxd_lens.TopKTranscoder.for_model(
-                    model, 1, d_sae=width, k=args.k
-                ),
-            }
+            layers = {"MxD.from_mlp": mxd_lens.MxD.from_mlp(model, 1)}
+            for layer_cls in built_in:  # every built-in architecture, untrained, at matched size
+                d_sae, unit = (n, "N") if layer_cls is mxd_lens.MxD else (width, "H")
+                layer = layer_cls.for_model(model, 1, d_sae=d_sae, k=args.k)
+                layers[f"{layer_cls.label} ({unit}={d_sae}, untrained)"] = layer
             for name, layer in layers.items():
                 with tempfile.TemporaryDirectory() as folder:
                     layer.save_model(folder)
@@ -288,9 +289,9 @@ def _check(args: argparse.Namespace) -> int:
                     spliced = model(tokens, return_type="loss").item()
                 params = sum(p.numel() for p in layer.parameters())
                 rows.append((kind, name, params, clean, spliced - clean))
-    print(f"{'model':<10} {'layer':<34} {'params':>9} {'clean CE':>9} {'ΔCE':>9}")
+    print(f"{'model':<10} {'layer':<42} {'params':>9} {'clean CE':>9} {'ΔCE':>9}")
     for kind, name, params, clean, delta in rows:
-        print(f"{kind:<10} {name:<34} {params:>9,} {clean:>9.4f} {delta:>+9.4f}")
+        print(f"{kind:<10} {name:<42} {params:>9,} {clean:>9.4f} {delta:>+9.4f}")
     print("MxD.from_mlp must show ΔCE = 0: an MxD with one always-on expert is the MLP itself.")
     return 0 if all(abs(delta) < 1e-4 for _, name, _, _, delta in rows if name == "MxD.from_mlp") else 1
 
@@ -437,18 +438,60 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _help_formatter() -> type:
+    import re
+
+    import simple_parsing
+    from simple_parsing.help_formatter import TEMPORARY_TOKEN
+
+    states_default = re.compile(r"\(default\b|\bdefault:|\bdefault\)")
+
+    class HelpFormatter(simple_parsing.SimpleHelpFormatter):
+        """simple_parsing's (every default shown, types as metavars), but a positional is named for what
+        it holds (``LAYERS [LAYERS ...]``, not its type), and a help that states its own default
+        (``(default: the suite's, 200)``) gets no second one (``(default: None)``)."""
+
+        def _metavar_formatter(self, action: argparse.Action, default_metavar: str) -> Any:
+            if action.option_strings or action.choices:
+                return super()._metavar_formatter(action, default_metavar)
+            name = action.dest.rpartition(".")[2].upper()  # simple_parsing's metavar is the type: 'list'
+            return lambda size: (name,) * size
+
+        def _format_args(self, action: argparse.Action, default_metavar: str) -> str:
+            if action.option_strings or action.choices:
+                return super()._format_args(action, default_metavar)
+            return argparse.HelpFormatter._format_args(self, action, default_metavar)
+
+        def _get_help_string(self, action: argparse.Action) -> str | None:
+            if action.help and states_default.search(action.help):
+                return action.help.replace(TEMPORARY_TOKEN, "")
+            return super()._get_help_string(action)
+
+    return HelpFormatter
+
+
 def _subparser_class() -> type:
     import simple_parsing
 
     class Subparser(simple_parsing.ArgumentParser):
         """A subcommand's parser: options from config dataclasses (``add_arguments``) as --dash-names,
-        every default shown in the help."""
+        every default shown in the help, the verb's description once."""
 
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             kwargs.setdefault("add_option_string_dash_variants", simple_parsing.DashVariant.DASH)
             kwargs.setdefault("add_config_path_arg", False)
-            kwargs.setdefault("formatter_class", simple_parsing.SimpleHelpFormatter)
+            kwargs.setdefault("formatter_class", _help_formatter())
             super().__init__(*args, **kwargs)
+
+        def add_argument_group(self, title: Any = None, description: Any = None, **kwargs: Any) -> Any:
+            # a study's options class gives both the verb's description and its group's: show it once
+            if (
+                description
+                and self.description
+                and inspect.cleandoc(description) == inspect.cleandoc(self.description)
+            ):
+                title, description = f"options of {self.prog}", None
+            return super().add_argument_group(title=title, description=description, **kwargs)
 
     return Subparser
 
@@ -460,12 +503,9 @@ def parse_config(description: str | None, argv: list[str] | None = None, **confi
     (``__post_init__`` raising ValueError) ends the script with that message."""
     import simple_parsing
 
-    class _Formatter(simple_parsing.SimpleHelpFormatter, argparse.RawDescriptionHelpFormatter):
-        pass
-
     parser = simple_parsing.ArgumentParser(
         description=description,
-        formatter_class=_Formatter,
+        formatter_class=_help_formatter(),
         add_option_string_dash_variants=simple_parsing.DashVariant.DASH,
         add_config_path_arg=False,
     )
@@ -549,14 +589,14 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
         ),
     }
     for name, (summary, description, options, func) in commands.items():
-        command = sub.add_parser(name, help=summary, description=description)
+        command = sub.add_parser(name, help=summary, description=inspect.cleandoc(description or ""))
         for dest, options_class in options.items() if only in (None, name) else ():
             command.add_arguments(options_class, dest=dest)
         command.set_defaults(func=func)
     # every registered study is a verb: its options dataclass and the options its kind shares
     from mxd_lens.studies import STUDIES, load_plugins
 
-    if only and only not in STUDIES and only not in commands:
+    if only not in STUDIES and only not in commands:  # `--help`, a plug-in's verb, a mistyped one
         load_plugins()
     for name, study in STUDIES.items():
         if name in commands:
@@ -629,12 +669,12 @@ def _number(word: str) -> bool:
     return True
 
 
-def _imported_modules(words: list[str]) -> list[str]:
-    """Import each ``--import MODULE`` (anywhere on the line; the current directory is importable) and
-    return the line without them: a module that registers an architecture makes its key a valid
-    ``--arch`` before the options are checked."""
-    import importlib
-
+def _imported_modules(words: list[str], debug: bool = False) -> list[str]:
+    """Import each ``--import MODULE`` (anywhere on the line; :func:`import_plugin`: the working folder's
+    MODULE.py or MODULE/ first, then installed modules) and return the line without them: a module that
+    registers an architecture makes its key a valid ``--arch`` before the options are checked. A module
+    that cannot be imported, or raises, ends the run with one line naming it (``debug``: the error
+    itself, with its traceback)."""
     rest, modules = [], []
     it = iter(words)
     for word in it:
@@ -644,27 +684,127 @@ def _imported_modules(words: list[str]) -> list[str]:
             modules.append(word.removeprefix("--import="))
         else:
             rest.append(word)
-    if modules and "" not in sys.path and os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
     for module in modules:
         if not module:
             raise SystemExit("mxd-lens: --import needs a module name")
         try:
-            importlib.import_module(module)
-        except ImportError as err:
-            raise SystemExit(f"mxd-lens: --import {module}: {err}") from None
+            import_plugin(module)
+        except ModuleNotFoundError as err:
+            if debug:
+                raise
+            if err.name == module.partition(".")[0]:  # the module named, not one it imports
+                raise SystemExit(
+                    f"mxd-lens: --import {module}: no {module.partition('.')[0]}.py or "
+                    f"{module.partition('.')[0]}/__init__.py in {os.getcwd()}, and no installed module {err.name!r}"
+                ) from None
+            raise SystemExit(one_line_error(f"mxd-lens: --import {module}", err)) from None
+        except Exception as err:
+            if debug:
+                raise
+            raise SystemExit(one_line_error(f"mxd-lens: --import {module}", err)) from None
     return rest
+
+
+def import_plugin(name: str) -> Any:
+    """Import the module ``name`` for ``--import``: from the working folder when it holds ``NAME.py`` or
+    the package ``NAME/`` (a dotted name: its first part), else as installed. Only that module is read
+    from the working folder: the folder is not put on ``sys.path``, so a ``pandas.py`` or
+    ``safetensors.py`` lying there never stands in for the installed package; a package plug-in imports
+    its own submodules (``NAME.run``) from its folder."""
+    import importlib
+    import importlib.util
+    from pathlib import Path
+
+    top = name.partition(".")[0]
+    if top not in sys.modules:
+        here = Path.cwd()
+        if (here / top / "__init__.py").is_file():
+            spec = importlib.util.spec_from_file_location(
+                top, here / top / "__init__.py", submodule_search_locations=[str(here / top)]
+            )
+        elif (here / f"{top}.py").is_file():
+            spec = importlib.util.spec_from_file_location(top, here / f"{top}.py")
+        else:
+            spec = None
+        if spec is not None and spec.loader is not None:
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[top] = module  # as an import does: dataclasses and submodules look it up
+            try:
+                spec.loader.exec_module(module)
+            except BaseException:
+                sys.modules.pop(top, None)
+                raise
+    return importlib.import_module(name)
+
+
+def _debug_asked(words: list[str]) -> bool:
+    """Whether the line (before its verb) or MXD_LENS_DEBUG asks for tracebacks: read before the parser
+    exists, for errors in ``--import`` modules and plug-ins."""
+    if os.environ.get("MXD_LENS_DEBUG", "") not in ("", "0"):
+        return True
+    it = iter(words)
+    for word in it:
+        if word == "--debug":
+            return True
+        if word == "--import":
+            next(it, None)
+        elif not word.startswith("-"):
+            return False
+    return False
+
+
+def _plugin_warnings(debug: bool) -> Any:
+    """A context in which a skipped plug-in (:class:`mxd_lens.plugins.PluginWarning`) is printed as one
+    line on stderr (``debug``: with the traceback of its error), every time."""
+    import contextlib
+    import warnings
+
+    from mxd_lens.plugins import PluginWarning
+
+    @contextlib.contextmanager
+    def context() -> Any:
+        with warnings.catch_warnings():
+            shown = warnings.showwarning
+
+            def show(
+                message: Any, category: Any, filename: Any, lineno: Any, file: Any = None, line: Any = None
+            ) -> None:
+                if not isinstance(message, PluginWarning):
+                    return shown(message, category, filename, lineno, file, line)
+                print(f"mxd-lens: warning: {message}", file=sys.stderr)
+                if debug and message.details:
+                    print(message.details, file=sys.stderr, end="")
+
+            warnings.simplefilter("always", PluginWarning)
+            warnings.showwarning = show
+            yield
+
+    return context()
 
 
 def main(argv: list[str] | None = None) -> int:
     global _LINE
     # Freed big tensors stay in the process (mxd_lens/allocator.py): here only, never on import.
-    keep_freed_memory()
+    try:
+        keep_freed_memory()
+    except ValueError as err:  # a bad MXD_LENS_KEEP_FREED_MEMORY
+        raise SystemExit(f"mxd-lens: {err}") from None
     _LINE = sys.argv[1:] if argv is None else list(argv)
     argv = _joined_negative_values(_LINE)
-    argv = _imported_modules(argv)
+    debug = _debug_asked(argv)
+    with _plugin_warnings(debug):
+        return _main(argv, debug)
+
+
+def _main(argv: list[str], debug: bool) -> int:
+    argv = _imported_modules(argv, debug)
     words = argv
-    parser = build_parser(only=next((w for w in words if not w.startswith("-")), ""))
+    try:
+        parser = build_parser(only=next((w for w in words if not w.startswith("-")), ""))
+    except Exception as err:  # a registered study the parser cannot take: one line, as for a verb
+        if debug:
+            raise
+        raise SystemExit(one_line_error("mxd-lens", err)) from err
     try:
         args = parser.parse_args(argv)
     except ValueError as err:  # a config dataclass refused its fields (e.g. neither --tokens nor --epochs)
@@ -676,7 +816,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"mxd-lens {args.command}: --threads {args.cpu.threads} must be >= 0 (0: every core)"
             )
         _threads(args.cpu.threads)
-    if args.debug or os.environ.get("MXD_LENS_DEBUG", "") not in ("", "0"):
+    if args.debug or debug:
         return args.func(args)
     try:
         return args.func(args)

@@ -359,16 +359,21 @@ class TokenRows:
         kw.setdefault("prepend_bos", model.cfg.default_prepend_bos)
         return cls(model.tokenizer, context_size, **kw)
 
-    def rows(self, texts: Iterable[str]) -> Iterator[torch.Tensor]:
+    def rows(self, texts: Iterable[str], name: Any = None) -> Iterator[torch.Tensor]:
         """Yield rows of shape ``[context_size]`` (torch.long); a trailing partial row is dropped.
 
-        Raises ValueError once ``texts`` is exhausted if it did not fill a single row.
+        Raises ValueError once ``texts`` is exhausted if it did not fill a single row (naming ``name``,
+        the text's name, when given). Warns, naming the text and the tokenizer, when more than
+        ``UNKNOWN_WARN`` of the tokens read are the tokenizer's unknown token (a text this tokenizer
+        does not cover: checked at rows 1, 2, 4, 8, ... until 4,096 tokens are read).
         """
         head = [self.bos_token_id] if self.prepend_bos else []
         body = self.context_size - len(head)
         sep = [] if self.separator_token_id is None else [self.separator_token_id]
         stream: list[int] = []
         n_docs = n_tokens = n_rows = 0
+        unk = getattr(self.tokenizer, "unk_token_id", None)
+        n_unk, check_at = 0, (0 if unk is None else 1)  # check_at: the row to check at (0: no more checks)
         for batch in _batched(texts, self.tokenize_batch):
             for ids in self.tokenizer(batch, add_special_tokens=False)["input_ids"]:
                 n_docs += 1
@@ -377,19 +382,43 @@ class TokenRows:
                 if n_tokens:  # a document came before: separate them
                     stream.extend(sep)
                 n_tokens += len(ids)
+                n_unk += ids.count(unk) if check_at else 0
                 stream.extend(ids)
                 start = 0
                 while len(stream) - start >= body:
+                    if n_rows + 1 == check_at:
+                        warned = self._warn_unknown(n_unk, n_tokens, name)
+                        check_at = 0 if warned or n_tokens >= 4096 else 2 * check_at
                     yield torch.tensor(head + stream[start : start + body], dtype=torch.long)
                     start += body
                     n_rows += 1
                 del stream[:start]  # once per document, so a long document is cut in linear time
         if not n_rows:
             raise ValueError(
-                f"no usable text: {n_docs} documents gave {n_tokens} tokens, fewer than the {body} needed "
-                f"for one row of context_size={self.context_size}{' after its BOS' if head else ''}; "
-                "check the source, the split and text_field"
+                f"no usable text{'' if name is None else f' in {name}'}: {n_docs} documents gave {n_tokens} "
+                f"tokens, fewer than the {body} needed for one row of context_size={self.context_size}"
+                f"{' after its BOS' if head else ''}; check the source, the split and text_field"
             )
+
+    UNKNOWN_WARN = 0.1
+    """The fraction of a text's tokens that may be the tokenizer's unknown token without a warning."""
+
+    def _warn_unknown(self, n_unk: int, n_tokens: int, name: Any) -> bool:
+        """Warn when more than ``UNKNOWN_WARN`` of the first ``n_tokens`` tokens of the text ``name`` are
+        unknown (``n_unk``); whether it warned."""
+        if n_unk <= self.UNKNOWN_WARN * n_tokens:
+            return False
+        import warnings
+
+        tokenizer = getattr(self.tokenizer, "name_or_path", None) or type(self.tokenizer).__name__
+        warnings.warn(
+            f"{'the text' if name is None else name}: {n_unk:,} of its first {n_tokens:,} tokens "
+            f"({n_unk / n_tokens:.0%}) are the unknown token {self.tokenizer.unk_token!r} of the tokenizer "
+            f"{tokenizer}, which does not cover this text (another language or script, or another model's "
+            "tokenizer?): the model would mostly see that one token",
+            stacklevel=2,
+        )
+        return True
 
     def batches(self, texts: Iterable[str], batch_size: int) -> Iterator[torch.Tensor]:
         """Yield ``[batch_size, context_size]`` batches of rows; a trailing partial batch is dropped.
@@ -433,13 +462,17 @@ PACKAGE_PREFIX = (
 
 def text_name(source: str | os.PathLike) -> str:
     """How a training record names ``source``: a file shipped with mxd-lens by its package resource name
-    (``mxd_lens:resources/...``, valid wherever the package is installed), anything else as given."""
+    (``mxd_lens:resources/...``, valid wherever the package is installed), a local path given relative to
+    the working folder by its absolute path (the record then names it from any folder), anything else
+    (an absolute path, a dataset name) as given."""
     from importlib.resources import files
 
     package = Path(str(files("mxd_lens"))).resolve()
     path = Path(source).expanduser()
     if path.exists() and path.resolve().is_relative_to(package):
         return PACKAGE_PREFIX + path.resolve().relative_to(package).as_posix()
+    if path.exists() and not path.is_absolute():
+        return str(path.resolve())
     return str(source)
 
 
@@ -461,6 +494,9 @@ def default_text() -> Path:
     return Path(str(files("mxd_lens") / "resources" / "jane_austen_novels.txt.xz"))
 
 
+MIX_SUFFIXES = (".txt.xz", ".txt.gz", ".txt")  # what mix_texts writes, by the name's suffix
+
+
 def mix_texts(
     sources: Sequence[str | Path],
     out: str | Path,
@@ -468,23 +504,35 @@ def mix_texts(
     measure: Callable[[str], int] | None = None,
     per_source: int | None = None,
 ) -> tuple[int, list[int]]:
-    """Interleave the documents of ``sources`` into the .txt.xz ``out``, balanced by volume: the next
+    """Interleave the documents of ``sources`` into the text file ``out``, balanced by volume: the next
     document always comes from the source that has given the least so far (while it has documents
     left), so any prefix holds about as much of each source whatever their document lengths.
     ``measure`` is how a document's volume counts (default: characters; a tokenizer's token count
     gives equal *token* shares). With ``per_source`` the mix stops taking from a source once it has given
     that much, and a source that runs out first is an error (the shares would not be equal).
     Documents are separated by blank lines, so ``iter_texts(out)`` reads back the same documents.
-    Written atomically. Returns (documents, volume per source)."""
-    from mxd_lens.fileio import atomic_write
+    ``out`` is written as its name says (``MIX_SUFFIXES``: .txt.xz, .txt.gz or plain .txt; another name
+    is refused), atomically; refused before anything is written when it is one of the sources or lies
+    inside a source folder, and so is a source given twice (by its resolved path). The temporaries a
+    killed mix left for ``out`` are removed first. Returns (documents, volume per source)."""
+    from mxd_lens.fileio import atomic_write, remove_abandoned_temporaries
 
     measure = measure or len
     if per_source is not None and per_source <= 0:
         raise ValueError(f"per_source={per_source} must be positive")
+    out = Path(out).expanduser()
+    suffix = next((s for s in MIX_SUFFIXES if out.name.lower().endswith(s)), None)
+    if suffix is None:
+        raise ValueError(
+            f"out {out}: the mix is written as its name's suffix says; end it in .txt.xz (xz), .txt.gz "
+            "(gzip) or .txt (plain text)"
+        )
+    _check_mix_paths(sources, out)
+    remove_abandoned_temporaries(out.parent, (out.name,))
 
     def write(tmp: str) -> None:
         streams = {i: iter_texts(source) for i, source in enumerate(sources)}
-        with lzma.open(tmp, "wt", encoding="utf-8") as f:
+        with open(tmp, "wb") as raw, _text_writer(raw, suffix) as f:
             while streams:
                 i = min(streams, key=lambda j: given[j])
                 if per_source is not None and given[i] >= per_source:
@@ -505,3 +553,49 @@ def mix_texts(
     given, counts = [0] * len(sources), [0]
     atomic_write(out, write)
     return counts[0], given
+
+
+def _text_writer(raw: IO[bytes], suffix: str) -> IO[str]:
+    """A UTF-8 text stream into ``raw``, compressed as ``suffix`` says (gzip without a name or time in
+    its header, so the same mix gives the same bytes); closing it leaves ``raw`` open but for plain text."""
+    import io
+
+    if suffix.endswith(".xz"):
+        return lzma.open(raw, "wt", encoding="utf-8")
+    if suffix.endswith(".gz"):
+        return io.TextIOWrapper(gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0), encoding="utf-8")
+    return io.TextIOWrapper(raw, encoding="utf-8")
+
+
+def _check_mix_paths(sources: Sequence[str | Path], out: Path) -> None:
+    """Refuse (ValueError, before anything is written) a source given twice under two spellings (or a
+    file inside a source folder), and an ``out`` that is a source or lies inside a source folder."""
+    if not sources:
+        raise ValueError("give at least one source to mix")
+    if out.is_dir():
+        raise ValueError(f"out {out} is a folder: give the file to write, e.g. {out / 'mixed.txt.xz'}")
+    if not out.parent.is_dir():
+        raise ValueError(f"out {out}: folder {out.parent} does not exist; make it first")
+    target = out.resolve()
+    seen: dict[Path | str, str | Path] = {}
+    for source in sources:
+        path = resolve_text(source)
+        key: Path | str = path.resolve() if path.exists() else str(source)
+        if key in seen:
+            raise ValueError(f"sources {seen[key]} and {source} are the same ({key}): give each source once")
+        if isinstance(key, Path):
+            for other, given_as in seen.items():
+                if isinstance(other, Path) and (key.is_relative_to(other) or other.is_relative_to(key)):
+                    inner, outer = (source, given_as) if key.is_relative_to(other) else (given_as, source)
+                    raise ValueError(
+                        f"source {inner} lies inside source folder {outer}: its documents would be mixed "
+                        "twice; give it once"
+                    )
+            same = target == key or (out.exists() and os.path.samefile(out, key))
+            if same or (key.is_dir() and target.is_relative_to(key)):
+                where = "is" if same else "lies inside"
+                raise ValueError(
+                    f"out {out} {where} source {source}: writing the mix there would replace or join what "
+                    "it is made of; give another out (nothing was written)"
+                )
+        seen[key] = source

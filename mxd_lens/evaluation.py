@@ -61,6 +61,7 @@ from mxd_lens import hooks
 from mxd_lens.firing import FiringTracker
 from mxd_lens.jacobian import jacobian_cosine
 from mxd_lens.layers.base import MLPReplacement
+from mxd_lens.layers.io import check_finite
 from mxd_lens.records import TextRecord, TrainingRecord
 
 if TYPE_CHECKING:
@@ -107,6 +108,9 @@ def evaluate(
         raise ValueError("evaluate needs at least one layer")
     index = {name: rep.block for name, rep in reps.items()}
     for name, rep in reps.items():
+        where = getattr(rep.layer, "mxd_lens_folder", None) or name  # its folder, when loaded from one
+        check_finite(rep.layer, where)  # NaN weights would give NaN or absurd metrics
+        _warn_if_untrained(rep.layer, where)
         hooks.check_block(model, index[name])
         hooks.check_model_name(model, rep)
         rep.check_fits(model, index[name])
@@ -276,6 +280,19 @@ def evaluate(
     for row in rows:
         row["skip_positions"] = first
     return rows
+
+
+def _warn_if_untrained(layer: Any, where: Any) -> None:
+    """Warn, naming ``where``, when ``layer`` is a BatchTopK transcoder whose threshold is still 0 (as
+    built, before any training step): at inference every positive pre-activation fires."""
+    from mxd_lens.layers.batchtopk import BatchTopKTranscoder
+
+    if isinstance(layer, BatchTopKTranscoder) and not bool((layer.threshold > 0).any()):
+        warnings.warn(
+            f"{where}: its BatchTopK threshold is 0, as before any training step, so every positive "
+            "pre-activation fires (a plain ReLU, L0 far above K): it is evaluated as an untrained layer",
+            stacklevel=3,
+        )
 
 
 def _row(
@@ -556,7 +573,8 @@ def held_out_batches(
     if split != "all":
         texts = data.split_texts(texts, split, eval_fraction, split_seed)
     n_rows = max(1, math.ceil(eval_tokens / context_size))
-    held_out = list(itertools.islice(rows.rows(texts), n_rows))
+    name = data.text_name(text) + ("" if split == "all" else f" (its {split} side)")
+    held_out = list(itertools.islice(rows.rows(texts, name=name), n_rows))
     if len(held_out) < n_rows:
         logging.getLogger(__name__).warning(
             "the held-out text holds %s tokens, fewer than the %s asked",

@@ -155,7 +155,7 @@ def export_circuit_tracer(layers: Sequence[str | Path] | str | Path, out: str | 
     from mxd_lens.hooks import block_of, writes_of
     from mxd_lens.layers.io import layer_folders, load_layer
     from mxd_lens.models import model_identity
-    from mxd_lens.records import TrainingRecord
+    from mxd_lens.records import TrainingRecord, canonical_model_name
 
     loaded = [(folder, load_layer(folder)) for folder in layer_folders(layers)]
     by_block: dict[int, tuple[Path, Any]] = {}
@@ -175,17 +175,25 @@ def export_circuit_tracer(layers: Sequence[str | Path] | str | Path, out: str | 
             "a transcoder set has one output hook, but some of these layers write hook_mlp_out and others "
             "the MLP module's output (mlp.hook_out): export them as two sets"
         )
-    models = {}
+    # one model: the same recorded source (digests, revision) AND the same name, which tells apart two
+    # models whose record alone cannot (two fine-tunes of one config, a source recording no digest)
+    models: dict[str, list[str]] = {}
     for folder, layer in by_block.values():
         recorded = TrainingRecord.of(layer).model_source
-        identity = (
-            model_identity(recorded) if "kind" in recorded else {"model_name": layer.cfg.metadata.model_name}
+        name = str(layer.cfg.metadata.model_name)
+        identity = {
+            "model_name": canonical_model_name(name).strip().lower().rsplit("/", 1)[-1],
+            **(model_identity(recorded) if "kind" in recorded else {}),
+        }
+        key = json.dumps(identity, sort_keys=True)
+        models.setdefault(key, []).append(
+            f"{folder} (model {name!r}{', ' + key if 'kind' in recorded else ''})"
         )
-        models.setdefault(json.dumps(identity, sort_keys=True), []).append(folder.name)
     if len(models) > 1:
-        listed = "; ".join(f"{', '.join(names)}: {key}" for key, names in models.items())
+        listed = "; ".join(", ".join(folders) for folders in models.values())
         raise ValueError(
-            f"a transcoder set is for one model, but these layers were trained on different ones: {listed}"
+            f"a transcoder set is for one model, but these layers were trained on different ones: {listed}; "
+            "export each model's layers as a set of its own"
         )
     out = Path(out).absolute()
     _check_replaceable(out)

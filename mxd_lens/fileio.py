@@ -8,6 +8,11 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+try:
+    import fcntl
+except ImportError:  # not POSIX: no lock on temporaries
+    fcntl = None  # type: ignore[assignment]
+
 
 def atomic_write(path: str | Path, write: Callable[[str], None]) -> None:
     """Have ``write(tmp)`` write a uniquely named temporary file next to ``path``, fsync it, then
@@ -15,11 +20,12 @@ def atomic_write(path: str | Path, write: Callable[[str], None]) -> None:
 
     The file gets the mode ``open()`` would give it (0o666 less the umask), not mkstemp's 0600, so
     files shared with others stay readable. On any error the temporary file is removed and the error
-    re-raised; ``path`` is left as it was. Concurrent writers each use their own temporary name.
+    re-raised; ``path`` is left as it was. Concurrent writers each use their own temporary name. The
+    writer holds a lock on its temporary file (where ``fcntl`` exists) until the rename, so the one a
+    killed writer left is told from a live writer's by :func:`remove_abandoned_temporaries`.
     """
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
+    fd, tmp = _locked_temporary(path)
     try:
         write(tmp)
         with open(tmp, "rb") as written:  # on disk before the rename makes it visible
@@ -29,6 +35,62 @@ def atomic_write(path: str | Path, write: Callable[[str], None]) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    finally:
+        if fd is not None:
+            os.close(fd)  # releases the lock
+
+
+def _locked_temporary(path: Path) -> tuple[int | None, str]:
+    """A fresh ``.NAME.XXXX.tmp`` beside ``path`` and an open descriptor holding an exclusive lock on it
+    (None without ``fcntl``). A cleaner that took the lock between its creation and ours has removed
+    it: then make another."""
+    while True:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        if fcntl is None:  # nothing to hold (and an open file could not be renamed on Windows)
+            os.close(fd)
+            return None, tmp
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError:  # a file system without locks: write unlocked (a cleaner never removes it)
+            return fd, tmp
+        try:
+            if os.stat(tmp).st_ino == os.fstat(fd).st_ino:
+                return fd, tmp
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+
+
+def remove_abandoned_temporaries(folder: str | Path, names: tuple[str, ...]) -> list[Path]:
+    """Remove the temporaries :func:`atomic_write` left for ``names`` in ``folder`` (``.NAME.XXXX.tmp``)
+    when their writer is gone (killed, e.g. by kill -9): those no process holds the lock of; a live
+    writer's are kept, whatever their age. Without ``fcntl`` (not POSIX), those older than an hour
+    (:func:`remove_stale_temporaries`). Returns what was removed."""
+    import glob
+
+    if fcntl is None:
+        return remove_stale_temporaries(folder, names, older_than_s=3600.0)
+    removed = []
+    for name in names:
+        for tmp in Path(folder).glob(f".{glob.escape(name)}.*.tmp"):
+            try:
+                fd = os.open(tmp, os.O_RDONLY)
+            except OSError:  # its writer finished meanwhile, or not ours to read
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:  # a live writer holds it (or the file system has no locks: keep it)
+                os.close(fd)
+                continue
+            try:
+                if os.stat(tmp).st_ino == os.fstat(fd).st_ino:
+                    tmp.unlink()
+                    removed.append(tmp)
+            except FileNotFoundError:
+                pass
+            finally:
+                os.close(fd)
+    return removed
 
 
 def atomic_write_text(path: str | Path, text: str) -> None:

@@ -99,7 +99,8 @@ def publish(
 
 def model_card(repo_id: str, layers: Sequence[tuple[str, dict[str, Any]]]) -> str:
     """README.md for the repository: front matter SAELens and the hub read, a table of the layers
-    (what, where, K, units, training tokens, evaluation), their training text and how to load one."""
+    (what, where, K, units, training tokens; a row per recorded evaluation, naming its text), their
+    training text and how to load one."""
     import pandas as pd
 
     rows, notes = [], []
@@ -108,28 +109,33 @@ def model_card(repo_id: str, layers: Sequence[tuple[str, dict[str, Any]]]) -> st
         meta = cfg.get("metadata", {})
         trained = "tokens" in (meta.get("training") or {})  # "—" for a layer without a training record
         training = TrainingRecord.from_dict(meta.get("training"))
-        evaluations = EvaluationRecord.all_of(meta)
-        evaluation = evaluations[-1] if evaluations else None  # the latest
-        metrics = evaluation.metrics if evaluation else {}
-        row = {
-            "sae_id": f"`{sae_id}`",
-            "architecture": cfg.get("architecture", "?").removeprefix("mxd_lens."),
-            "hook (in -> out)": f"{meta.get('hook_name')} -> {meta.get('hook_name_out')}",
-            "K": cfg.get("k"),
-            "units": cfg.get("d_sae"),
-            "training tokens": f"{training.tokens:,}" if trained else "—",
-        }
-        for key, label, fmt in (("delta_ce", "ΔCE", "{:+.4f}"), ("kl", "KL", "{:.4f}"), ("fvu", "FVU", "{:.3f}"),
-                                ("l0", "L0", "{:.1f}"), ("dead_fraction", "dead", "{:.1%}"),
-                                ("ce_recovered_zero", "CE recovered (zero-abl.)", "{:.3f}")):  # fmt: skip
-            row[label] = fmt.format(metrics[key]) if key in metrics else "—"
-        rows.append(row)
+        # every recorded evaluation, one row each (a text, its side, tokens): not only the latest, which
+        # would make the headline whichever text was evaluated last
+        evaluations: list[EvaluationRecord | None] = list(EvaluationRecord.all_of(meta)) or [None]
+        for evaluation in evaluations:
+            metrics = evaluation.metrics if evaluation else {}
+            row = {
+                "sae_id": f"`{sae_id}`",
+                "architecture": cfg.get("architecture", "?").removeprefix("mxd_lens."),
+                "hook (in -> out)": f"{meta.get('hook_name')} -> {meta.get('hook_name_out')}",
+                "K": cfg.get("k"),
+                "units": cfg.get("d_sae"),
+                "training tokens": f"{training.tokens:,}" if trained else "—",
+                "evaluated on": _evaluated_on(evaluation),
+            }
+            for key, label, fmt in (("delta_ce", "ΔCE", "{:+.4f}"), ("kl", "KL", "{:.4f}"), ("fvu", "FVU", "{:.3f}"),
+                                    ("l0", "L0", "{:.1f}"), ("dead_fraction", "dead", "{:.1%}"),
+                                    ("ce_recovered_zero", "CE recovered (zero-abl.)", "{:.3f}")):  # fmt: skip
+                value = metrics.get(key)  # None: not measured, or not finite (recorded as null)
+                row[label] = fmt.format(value) if isinstance(value, (int, float)) else "—"
+            rows.append(row)
         text = training.text
         if text:
+            held = [e for e in evaluations if e is not None]
             notes.append(f"- `{sae_id}`: trained on the {text.split} side of `{text.file_name}` "
                          f"(digests {', '.join(f'{k} {v}' for k, v in (text.digests or {}).items())})"
-                         + (f"; evaluated on {evaluation.tokens:,} held-out tokens of `{evaluation.text.file_name}`"
-                            if evaluation else "; not evaluated"))  # fmt: skip
+                         + ("; evaluated on " + ", ".join(f"{e.tokens:,} held-out tokens of `{e.text.file_name}`"
+                                                         for e in held) if held else "; not evaluated"))  # fmt: skip
     from huggingface_hub import ModelCard, ModelCardData
 
     table = pd.DataFrame(rows).to_markdown(index=False, disable_numparse=True)
@@ -161,12 +167,22 @@ def model_card(repo_id: str, layers: Sequence[tuple[str, dict[str, Any]]]) -> st
             "```",
             "",
             "Every `cfg.json` carries the training record (`metadata.training`: model source, config, data "
-            "digests, tokens) and the evaluation (`metadata.evaluation`); `mxd-lens info FOLDER` prints them.",
+            "digests, tokens) and its evaluations (`metadata.evaluations`, one per text; `metadata.evaluation`: the "
+            "latest); `mxd-lens info FOLDER` prints them.",
             "",
         ]
     )
     # the hub's own card type: its front matter is written (and checked) by huggingface_hub
     return str(ModelCard(f"---\n{data.to_yaml()}\n---\n\n{body}"))
+
+
+def _evaluated_on(evaluation: EvaluationRecord | None) -> str:
+    """The card's "evaluated on" cell: the text, its side of the split, the tokens ("—": none)."""
+    if evaluation is None:
+        return "—"
+    text = evaluation.text
+    side = "all of it" if text.split == "all" else f"{text.split} side"
+    return f"`{text.file_name}` ({side}), {evaluation.tokens:,} tokens"
 
 
 def host_lines(layers: Sequence[tuple[str, dict[str, Any]]]) -> list[str]:

@@ -28,6 +28,7 @@ import inspect
 import json
 import logging
 import os
+import pickle
 import re
 import shutil
 import subprocess
@@ -158,6 +159,8 @@ def load_model(
         if path.is_dir() and (path / "config.json").is_file():
             model = _load_folder(path, device, dtype, fold_ln, special_tokens, path.resolve().name, kwargs)
             return _with_source(model, name_or_path, {**_folder_source(path), **_named(tl_name)}, settings)
+        if path.is_file() and _is_pickle(path):
+            raise ValueError(_pickle_refusal(path))
         if path.exists():
             raise ValueError(
                 f"{name_or_path!r} exists but is neither a .gguf file nor a Hugging Face folder with a "
@@ -337,6 +340,32 @@ def model_identity(source: dict[str, Any]) -> dict[str, Any]:
     if source.get("kind") in ("transformer_lens", "unknown"):
         identity["model_name"] = source.get("model_name", source.get("name"))
     return identity
+
+
+def _is_pickle(path: Path) -> bool:
+    """Whether the file ``path`` is a pickle, by its first bytes: Python's (protocol 2 or later, as the
+    older ``torch.save`` writes), or the zip of one (``*/data.pkl``) that ``torch.save`` writes."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4)
+    except OSError:
+        return False
+    if len(head) >= 2 and head[0] == 0x80 and 2 <= head[1] <= 5:
+        return True
+    if head == b"PK\x03\x04" and zipfile.is_zipfile(path):
+        with zipfile.ZipFile(path) as archive:
+            return any(name.endswith("/data.pkl") or name == "data.pkl" for name in archive.namelist())
+    return False
+
+
+def _pickle_refusal(what: Any) -> str:
+    """Why a pickled model is refused, in one line: what mxd-lens accepts instead."""
+    return (
+        f"{what} is a pickle (PyTorch's torch.save format), which mxd-lens does not unpickle: unpickling "
+        "runs whatever code the file names, so it is not a safe way to read weights from elsewhere. "
+        f"load_model accepts {_ACCEPTED}, with the weights as safetensors; to convert a model you trust, "
+        "load it in Python and save it with save_pretrained(folder, safe_serialization=True)"
+    )
 
 
 def _named(tl_name: str | None) -> dict[str, Any]:
@@ -616,7 +645,11 @@ def _load_folder(
         special_tokens,
         folder,
     )
-    hf_model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, local_files_only=True).eval()
+    try:
+        hf_model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, local_files_only=True).eval()
+    except pickle.UnpicklingError:  # PyTorch's weights-only refusal, which advises weights_only=False
+        pickles = sorted(str(f) for f in folder.iterdir() if f.is_file() and _is_pickle(f))
+        raise ValueError(_pickle_refusal(" and ".join(pickles) or f"a weights file in {folder}")) from None
     with (
         _neutral_name(folder) as tl_name,
         _config_by_family(architecture, hf_model.config, template),

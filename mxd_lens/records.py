@@ -16,6 +16,21 @@ from pathlib import Path
 from typing import Any
 
 
+def finite_json(value: Any) -> Any:
+    """``value`` (JSON-like: dicts, lists, numbers, strings) with every NaN or infinite float replaced by
+    None, so ``json.dumps(..., allow_nan=False)`` writes strict JSON: ``null``, not the bare ``NaN``
+    that strict parsers (JavaScript's ``JSON.parse``, ``jq``, most languages' standard ones) reject."""
+    import math
+
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, Mapping):
+        return {key: finite_json(v) for key, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_json(v) for v in value]
+    return value
+
+
 def _known(cls: type, saved: Mapping[str, Any] | None) -> dict[str, Any]:
     """The entries of ``saved`` that are fields of the dataclass ``cls``, without the None ones."""
     names = {f.name for f in dataclasses.fields(cls)}

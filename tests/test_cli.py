@@ -18,6 +18,12 @@ def test_check_runs_and_from_mlp_is_exact(capsys):
         line for line in out.splitlines() if "MxD.from_mlp" in line and line.startswith(("gpt2", "gated"))
     ]
     assert len(lines) == 2 and all(line.rstrip().endswith("+0.0000") for line in lines)
+    # every layer type the README names: MxD, TopK, skip and BatchTopK transcoders, on both block shapes
+    for kind in ("gpt2-like", "gated"):
+        for layer in ("MxD (N=", "Transcoder (H=", "Skip transcoder (H=", "BatchTopK transcoder (H="):
+            assert re.search(
+                rf"^{kind} +{re.escape(layer)}\d+, untrained\) .* [+-]\d\.\d{{4}}$", out, re.M
+            ), (kind, layer)
 
 
 @pytest.fixture
@@ -194,6 +200,66 @@ def test_help_explains_every_option():
             assert action.help and len(action.help) > 10, (name, action.dest)
 
 
+def test_help_shows_each_description_once_positionals_by_name_and_each_default_once(capsys):
+    def shown(*argv):
+        with pytest.raises(SystemExit):
+            main([*argv, "--help"])
+        return capsys.readouterr().out
+
+    probe = shown("probe")
+    assert probe.count("Sparse probing of saved layers on a task suite") == 1  # not again as its group's
+    text = " ".join(probe.split())
+    assert "examples per class (default: the suite's, 200) --ks" in text  # not then "(default: None)"
+    assert (
+        "(default: the sets bundled with mxd-lens; the suite runs on the sets whose files are there) --per"
+        in text
+    )
+    assert "(default: 0)" in text and "(default: [1, 2, 5])" in text  # defaults the help does not state
+    demo = " ".join(shown("demo").split())
+    assert "training tokens (default 262,144; 8,192 with --quick) --epochs" in demo
+    assert "(default: float32 unless given)" not in demo and "(default), bfloat16" in demo
+    info = shown("info")
+    assert "usage: mxd-lens info [-h] LAYERS [LAYERS ...]" in info and "list" not in info
+    assert re.search(r"^  LAYERS +layer folders", info, re.M)
+    mix = shown("mix")
+    assert "mxd-lens mix [-h]" in mix and "SOURCES [SOURCES ...]" in mix and "\n    source" not in mix
+    assert "usage: mxd-lens eval [-h]" in shown("eval") and "LAYERS [LAYERS ...]" in shown("eval")
+
+
+def test_relative_text_paths_are_recorded_absolute(tmp_path, monkeypatch):
+    """A text (or data folder) given relative to the working folder is recorded by its absolute path: in
+    the training record, the evaluation record and the study records."""
+    import json
+    import shutil
+
+    import mxd_lens.models
+
+    model, corpus = make_text_model(tmp_path)
+    monkeypatch.setattr(mxd_lens.models, "load_model", lambda name, **kw: model)
+    work = tmp_path / "work"
+    (work / "probing").mkdir(parents=True)
+    shutil.copy(corpus, work / "corpus.txt")
+    monkeypatch.chdir(work)
+    stream = ["--model", "tiny", "--text", "corpus.txt", "--context-size", "12", "--rows-per-shard", "16"]
+    learn = ["--arch", "transcoder", "--k", "2", "--tokens", "160", "--batch-tokens", "32", "--no-progress"]
+    assert main(["train", *stream, "--blocks", "1", *learn, "--out", "run"]) == 0
+    folder = work / "run" / "final" / "L1.transcoder.k2.m8"
+    absolute = str((work / "corpus.txt").resolve())
+    assert json.loads((folder / "cfg.json").read_text())["metadata"]["training"]["data"]["text"] == absolute
+    evaluate = ["eval", str(folder), "--text", "./corpus.txt", "--eval-tokens", "60", "--context-size", "12"]
+    assert main(evaluate) == 0
+    assert json.loads((folder / "cfg.json").read_text())["metadata"]["evaluation"]["text"]["text"] == absolute
+    from mxd_lens.studies.common import recorded_options
+    from mxd_lens.studies.frontier import FrontierConfig
+    from mxd_lens.studies.probe import ProbeOptions
+
+    config = FrontierConfig(text="corpus.txt", blocks=[1], eval_text="corpus.txt", ood_text="no/such")
+    frontier = recorded_options(config)
+    assert (frontier["text"], frontier["eval_text"], frontier["ood_text"]) == (absolute, absolute, "no/such")
+    probe = recorded_options(ProbeOptions(layers=["run"], data="probing"))
+    assert probe["data"] == str((work / "probing").resolve()) and probe["layers"] == ["run"]
+
+
 def test_demo_runs_end_to_end(tmp_path, text_model, capsys):
     args = ["demo", "--quick", "--model", "tiny", "--text", str(text_model), "--block", "1", "--k", "2"]
     args += ["--context-size", "12", "--batch-tokens", "64", "--train-tokens", "640", "--eval-tokens", "120"]
@@ -216,6 +282,11 @@ def test_demo_runs_end_to_end(tmp_path, text_model, capsys):
     assert f"{best['label']} {best['delta_ce']:+.4f}" in out
     assert "On text none of them trained on" in out and "KL (other text)" in out  # the bundled fortunes
     assert f"deleting the MLP gives {best['ce_zero_ablation'] - best['ce_clean']:+.4f}" in out
+    ood_zero = best["ood_ce_zero_ablation"] - best["ood_ce_clean"]
+    assert f"(deleting the MLP gives {ood_zero:+.4f} there)" in out  # on the other text, not the held-out one
+    # a finished demo keeps its weights, tables and cache, not its training checkpoints, and says its size
+    assert not list((tmp_path / "demo").glob("runs/*/checkpoints")) and "checkpoints (" in out
+    assert re.search(r"demo holds [\d,]+ MiB", out)
     assert "smoke test" in out and re.search(rf"\|\s+{int(best['params']):,}\s+\|", out)
     assert sorted(
         p.name for p in (tmp_path / "demo" / "runs" / "L1.seed0" / "final").iterdir() if p.is_dir()
@@ -468,7 +539,8 @@ def test_eval_from_another_folder_finds_what_the_record_names_and_says_what_it_c
     )
     (work / "corpus.txt").unlink()
     with pytest.raises(
-        SystemExit, match=r"training text 'corpus.txt' recorded in .*cfg.json .*not found from .*give --text"
+        SystemExit,
+        match=r"training text '.*corpus.txt' recorded in .*cfg.json .*not found from .*give --text",
     ):
         main(["eval", str(folder), "--eval-tokens", "120", "--context-size", "12"])
     shutil.rmtree(work / "models")

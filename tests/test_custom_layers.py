@@ -145,3 +145,26 @@ def test_an_installed_plugin_is_registered_from_its_entry_point(monkeypatch):
         if layer_cls is not None:
             SAE_CLASS_REGISTRY.pop(layer_cls.config_class.architecture(), None)
         del sys.modules["plugin_pkg"]
+
+
+def test_a_broken_architecture_plugin_is_skipped_with_a_warning_naming_it(monkeypatch):
+    """An 'mxd_lens.architectures' entry point that fails to load breaks no other architecture: it is
+    skipped with a warning naming it and its error, and its key is then unknown like any other."""
+    import importlib.metadata
+
+    from mxd_lens.layers import registry
+    from mxd_lens.plugins import PluginWarning
+
+    point = importlib.metadata.EntryPoint("broken_arch", "no_such_package_xyz:Layer", registry.PLUGIN_GROUP)
+    monkeypatch.setattr(
+        importlib.metadata, "entry_points", lambda group: [point] if group == registry.PLUGIN_GROUP else []
+    )
+    monkeypatch.setattr(registry, "_PLUGINS_LOADED", False)
+    skipped = (
+        r"skipped the mxd_lens.architectures plug-in 'broken_arch' \(no_such_package_xyz:Layer\): it failed"
+    )
+    with pytest.warns(PluginWarning, match=skipped) as caught:
+        with pytest.raises(ValueError, match="architecture 'broken_arch' unknown"):
+            registry.get_architecture("broken_arch")
+    assert "ModuleNotFoundError" in str(caught[0].message) and "Traceback" in caught[0].message.details
+    assert registry.get_architecture("transcoder") is mxd_lens.TopKTranscoder

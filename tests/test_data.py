@@ -485,3 +485,118 @@ def test_mix_texts_takes_the_source_with_fewest_characters_next(tmp_path):
     # by hand: a(0,0)->"a a"; b(3,0)->"XXXXXXXXXX"; a(3,10)->"b"; a(4,10)->"c"; a exhausted -> "Y"
     assert list(iter_texts(tmp_path / "mixed.txt.xz")) == ["a a", "XXXXXXXXXX", "b", "c", "Y"]
     assert (n, given) == (5, [5, 11])
+
+
+def test_mix_refuses_an_out_that_is_a_source_before_writing_anything(tmp_path, monkeypatch, capsys):
+    """`mxd-lens mix a.txt.xz b.txt --out a.txt.xz` returned 0 and replaced a source with the mix."""
+    import lzma
+
+    from mxd_lens.cli import main
+    from mxd_lens.data import mix_texts
+
+    with lzma.open(tmp_path / "a.txt.xz", "wt") as f:
+        f.write("a1\n\na2")
+    (tmp_path / "b.txt").write_text("b1")
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "folder" / "c.txt").write_text("c1")
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(
+        SystemExit, match=r"mxd-lens mix: out a.txt.xz is source a.txt.xz: .*nothing was written"
+    ):
+        main(["mix", "a.txt.xz", "b.txt", "--out", "a.txt.xz"])
+    for out in ("./b.txt", str(tmp_path / "sub" / ".." / "b.txt")):
+        (tmp_path / "sub").mkdir(exist_ok=True)
+        with pytest.raises(ValueError, match="is source b.txt"):
+            mix_texts(["a.txt.xz", "b.txt"], out)
+    with pytest.raises(ValueError, match=r"out folder/m.txt.xz lies inside source folder"):
+        mix_texts(["folder", "b.txt"], "folder/m.txt.xz")
+    (tmp_path / "link.txt").symlink_to(tmp_path / "b.txt")
+    with pytest.raises(ValueError, match="out link.txt is source b.txt"):
+        mix_texts(["a.txt.xz", "b.txt"], "link.txt")
+    after = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file() and p.name != "link.txt"}
+    assert after == before and not list(tmp_path.glob(".*.tmp"))
+
+
+def test_mix_refuses_a_source_given_twice_under_two_spellings(tmp_path, monkeypatch):
+    from mxd_lens.data import mix_texts
+
+    (tmp_path / "a.txt").write_text("a1")
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "folder" / "c.txt").write_text("c1")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=r"sources a.txt and ./a.txt are the same .*give each source once"):
+        mix_texts(["a.txt", "./a.txt"], "m.txt.xz")
+    with pytest.raises(ValueError, match="source folder/c.txt lies inside source folder folder"):
+        mix_texts(["folder", "folder/c.txt"], "m.txt.xz")
+    assert not (tmp_path / "m.txt.xz").exists()
+
+
+def test_mix_writes_as_the_out_suffix_says_and_refuses_another(tmp_path):
+    """`mix --out m.txt` wrote xz bytes under a .txt name."""
+    import gzip
+
+    from mxd_lens.data import iter_texts, mix_texts
+
+    (tmp_path / "a.txt").write_text("a1\n\na2")
+    (tmp_path / "b.txt").write_text("b1")
+    sources = [tmp_path / "a.txt", tmp_path / "b.txt"]
+    for name in ("m.txt", "m.txt.gz", "m.txt.xz"):
+        assert mix_texts(sources, tmp_path / name) == (3, [4, 2])
+        assert list(iter_texts(tmp_path / name)) == ["a1", "b1", "a2"]
+    assert (tmp_path / "m.txt").read_text() == "a1\n\nb1\n\na2"  # plain text
+    assert gzip.decompress((tmp_path / "m.txt.gz").read_bytes()) == b"a1\n\nb1\n\na2"
+    first = (tmp_path / "m.txt.gz").read_bytes()
+    mix_texts(sources, tmp_path / "m.txt.gz")
+    assert (tmp_path / "m.txt.gz").read_bytes() == first  # no name or time in the gzip header
+    for name in ("m.json", "m.xz", "m.jsonl.xz"):
+        with pytest.raises(
+            ValueError, match=r"end it in .txt.xz \(xz\), .txt.gz \(gzip\) or .txt \(plain text\)"
+        ):
+            mix_texts(sources, tmp_path / name)
+        assert not (tmp_path / name).exists()
+
+
+def test_mix_removes_the_temporary_a_killed_mix_left_and_keeps_a_live_ones(tmp_path):
+    """kill -9 of `mix` left its .tmp behind for good; SIGINT (KeyboardInterrupt) leaves none."""
+    import fcntl
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from mxd_lens.data import mix_texts
+
+    (tmp_path / "a.txt").write_text("\n\n".join(f"doc {i}" for i in range(200)))
+    out = tmp_path / "m.txt.xz"
+    code = (
+        "import os, signal, sys\n"
+        "from mxd_lens.data import mix_texts\n"
+        "def measure(doc):\n"
+        "    if doc == 'doc 100':\n"
+        "        os.kill(os.getpid(), signal.SIGKILL)\n"
+        "    return len(doc)\n"
+        f"mix_texts([{str(tmp_path / 'a.txt')!r}], {str(out)!r}, measure=measure)\n"
+    )
+    killed = subprocess.run([sys.executable, "-c", code], capture_output=True)
+    assert killed.returncode == -signal.SIGKILL
+    (left,) = tmp_path.glob(".m.txt.xz.*.tmp")  # what the killed mix left
+    live = tmp_path / ".m.txt.xz.live.tmp"  # a concurrent writer's, locked as atomic_write locks it
+    live.write_text("")
+    fd = os.open(live, os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        assert mix_texts([tmp_path / "a.txt"], out)[0] == 200
+    finally:
+        os.close(fd)
+    assert not left.exists() and live.exists()
+    live.unlink()
+
+    def interrupt(doc: str) -> int:
+        if doc == "doc 50":
+            raise KeyboardInterrupt
+        return len(doc)
+
+    with pytest.raises(KeyboardInterrupt):
+        mix_texts([tmp_path / "a.txt"], out, measure=interrupt)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.txt", "m.txt.xz"]

@@ -495,3 +495,28 @@ def test_both_protocols_and_the_neuron_baseline_in_one_study(text_model, tmp_pat
         skip = int(text_model.cfg.default_prepend_bos)
         expected = cache[f"blocks.{block}.mlp.hook_post"][0, skip:].mean(0)
         torch.testing.assert_close(pooled[f"neurons.L{block}"][i], expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("per_class", [8, 4])
+def test_too_few_examples_per_class_are_refused_up_front_naming_the_option(tmp_path, monkeypatch, per_class):
+    """`probe --per-class 8` cannot give every split of a class 2 examples: refused by the study's check,
+    before the model is loaded or a text read, naming --per-class and the least that works."""
+    import mxd_lens.models
+    import mxd_lens.studies.common
+    from mxd_lens.analysis.tasks import offline_suite
+    from mxd_lens.cli import main
+    from mxd_lens.studies.probe import ProbeOptions
+    from mxd_lens.studies.probe.run import check
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(mxd_lens.models, "load_model", no_model)
+    monkeypatch.setattr(mxd_lens.studies.common, "host_model", no_model)
+    argv = ["probe", "--layers", str(tmp_path / "L1"), "--per-class", str(per_class), "--out", str(tmp_path)]
+    message = rf"^mxd-lens probe: --per-class {per_class} is too few: .* takes --per-class 9 or more"
+    with pytest.raises(SystemExit, match=message):
+        main(argv)
+    check(ProbeOptions(layers=["L1"], per_class=9))  # the least it names works, with every set's split:
+    for task_set in offline_suite(9):
+        splits([str(i % 2) for i in range(2 * task_set.per_class)])

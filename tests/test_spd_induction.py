@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -537,3 +538,140 @@ def test_a_run_kept_in_a_folder_resumes_bit_exactly_on_a_fresh_machine(tmp_path)
         mxd_lens.spd.ci.CI_VERSION = original
     with pytest.raises(ValueError, match="--until 9"):
         study_lib.train_variant(SPDInductionOptions(**small, until=9), tmp_path / "machine5", progress=False)
+
+
+def _kept_run_setup(tmp_path):
+    """A 5-step toy model and the options of a tiny SPD run of it."""
+    from mxd_lens.spd.induction import train_induction_model
+
+    train_induction_model(
+        tmp_path / "model", steps=5, batch_size=32, eval_every=5, eval_size=64, progress=False
+    )
+    model = tmp_path / "model" / "model.pt"
+    return dict(variant="ref-token-subset", steps=6, batch_size=4, C=4, ci_hidden=4, model=str(model))
+
+
+def _snapshot(folder):
+    return {
+        p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()
+    }
+
+
+def test_a_kept_state_of_another_run_is_refused_before_anything_is_copied(tmp_path):
+    """`train --keep-in K` with K holding another configuration's run was refused only after K's
+    checkpoint had become OUT's `latest` and K's trend.jsonl / train_log.jsonl had replaced OUT's, so the
+    user's run could not resume even without --keep-in. Now OUT is byte-identical after the refusal."""
+    from mxd_lens.loop import ResumeMismatch
+    from mxd_lens.studies.spd_induction import SPDInductionOptions
+    from mxd_lens.studies.spd_induction import run as study_lib
+
+    small = _kept_run_setup(tmp_path)
+    kept = tmp_path / "repo" / "kept"
+    other = {**small, "batch_size": 2}  # not in the run's name: the same OUT folder
+    study_lib.train_variant(
+        SPDInductionOptions(**other, until=4, keep_in=str(kept)), tmp_path / "other", progress=False
+    )
+    mine = tmp_path / "mine"
+    study_lib.train_variant(SPDInductionOptions(**small, until=2, trend_every=1), mine, progress=False)
+    out = mine / SPDInductionOptions(**small).name
+    before = _snapshot(out)
+    assert {"checkpoints/latest", "trend.jsonl", "train_log.jsonl", "run_config.json"} <= set(before)
+    # the run asked is OUT's own; K keeps another: refused naming K and what differs
+    with pytest.raises(ResumeMismatch) as info:
+        study_lib.train_variant(SPDInductionOptions(**small, keep_in=str(kept)), mine, progress=False)
+    assert _snapshot(out) == before  # was: K's step 4 as `latest`, K's trend.jsonl and train_log.jsonl
+    assert re.fullmatch(
+        rf"--keep-in {kept}: {kept / 'checkpoint'} .*'batch_size': \(2, 4\).*nothing was copied .*",
+        str(info.value),
+    )
+    # the run asked is K's, but OUT holds another: refused too, before anything is copied or written
+    with pytest.raises(
+        ResumeMismatch, match=rf"--keep-in {kept} keeps another run than {out} holds .*batch_size"
+    ):
+        study_lib.train_variant(SPDInductionOptions(**other, keep_in=str(kept)), mine, progress=False)
+    assert _snapshot(out) == before
+    # and so does a report of OUT given that K
+    with pytest.raises(ResumeMismatch, match="keeps another run than"):
+        study_lib.report_variant(SPDInductionOptions(**small, pgd_steps=0, keep_in=str(kept)), mine)
+    assert _snapshot(out) == before
+    # a refused resume of OUT itself (other settings, no K) leaves its run_config.json alone
+    with pytest.raises(ResumeMismatch, match="batch_size"):
+        study_lib.train_variant(SPDInductionOptions(**other), mine, progress=False)
+    assert _snapshot(out) == before
+    # the user's run resumes
+    record = study_lib.train_variant(SPDInductionOptions(**small), mine, progress=False)
+    assert (record["from_step"], record["to_step"]) == (2, 6)
+
+
+def test_a_second_run_keeping_into_the_same_folder_is_refused(tmp_path):
+    """Two runs keeping into one K at once were not refused, and one run's state silently disappeared."""
+    import os
+    import subprocess
+    import sys
+
+    from mxd_lens.studies.spd_induction import SPDInductionOptions
+    from mxd_lens.studies.spd_induction import run as study_lib
+
+    small = _kept_run_setup(tmp_path)
+    kept = tmp_path / "kept"
+    holder = subprocess.Popen(  # the first run, still keeping into K
+        [sys.executable, "-c", "import sys; from mxd_lens.studies.spd_induction.run import lock_kept; "
+         f"held = lock_kept(__import__('pathlib').Path({str(kept)!r})); print('held', flush=True); sys.stdin.read()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(
+            RuntimeError,
+            match=rf"^--keep-in {kept} is in use by another run keeping its state there \(pid {holder.pid}\): wait",
+        ) as info:
+            study_lib.train_variant(
+                SPDInductionOptions(**small, keep_in=str(kept)), tmp_path / "second", progress=False
+            )
+        assert "\n" not in str(info.value)
+        assert not (tmp_path / "second").exists() and not (kept / "checkpoint").exists()
+    finally:
+        holder.stdin.close()
+        holder.wait()
+    record = study_lib.train_variant(
+        SPDInductionOptions(**small, until=2, keep_in=str(kept)), tmp_path / "second", progress=False
+    )
+    assert record["to_step"] == 2 and os.path.isdir(kept / "checkpoint")  # released: the next run keeps there
+
+
+@pytest.mark.parametrize(
+    "damage, file, what",
+    [
+        (lambda k: (k / "checkpoint" / "trainer_state.json").write_text('{"step": 3,'), "checkpoint/trainer_state.json", r"is not valid JSON \(line 1: "),
+        (lambda k: (k / "checkpoint" / "trainer_state.json").write_text('{"nostep": 1}'), "checkpoint/trainer_state.json", "has no step count"),
+        (lambda k: (k / "checkpoint" / "state.pt").write_bytes((k / "checkpoint" / "state.pt").read_bytes()[:500]), "checkpoint/state.pt", "cannot be read"),
+        (lambda k: (k / "checkpoint" / "state.pt").write_text("version https://git-lfs.github.com/spec/v1\noid sha256:ab\nsize 9\n"), "checkpoint/state.pt", "is a Git LFS pointer"),
+        (lambda k: (k / "checkpoint" / "state.pt").unlink(), "checkpoint/state.pt", r"is missing"),
+        (lambda k: (k / "train_log.jsonl").write_text((k / "train_log.jsonl").read_text() + "{oops\n"), "train_log.jsonl", r"is not valid JSON \(line 2: "),
+        (lambda k: (k / "trend.jsonl").write_text("[1]\n"), "trend.jsonl", "line 1 is not a JSON object"),
+        (lambda k: (k / "run_config.json").write_bytes(b"\xff{}"), "run_config.json", "is not UTF-8 text"),
+    ],
+    ids=["trainer-state-json", "trainer-state-step", "state-truncated", "state-lfs-pointer", "state-missing", "train-log", "trend", "run-config"],
+)  # fmt: skip
+def test_a_damaged_kept_state_is_reported_by_its_file_in_the_kept_folder(
+    tmp_path, damage, file, what, capsys
+):
+    """A damaged --keep-in state was reported by the path of its copy in OUT, or by a bare JSON error
+    (or not at all: a damaged train_log.jsonl was copied into OUT). Now: one line naming the file in K
+    and what is wrong, and nothing is copied into OUT."""
+    from mxd_lens.cli import main
+
+    small = _kept_run_setup(tmp_path)
+    kept = tmp_path / "kept"
+    argv = ["spd-induction", "train", "--variant", small["variant"], "--steps", "6", "--batch-size", "4",
+            "--C", "4", "--ci-hidden", "4", "--model", small["model"], "--keep-in", str(kept)]  # fmt: skip
+    assert main([*argv, "--until", "3", "--trend-every", "3", "--out", str(tmp_path / "first")]) == 0
+    damage(kept)
+    with pytest.raises(SystemExit) as info:
+        main([*argv, "--out", str(tmp_path / "fresh")])
+    first_line = str(info.value.code).splitlines()[0]
+    assert re.fullmatch(
+        rf"mxd-lens spd-induction: kept state {re.escape(str(kept / file))} {what}.*", first_line
+    ), first_line
+    assert str(tmp_path / "fresh") not in first_line
+    assert not list((tmp_path / "fresh").rglob("*.json*"))  # nothing copied into OUT

@@ -182,3 +182,34 @@ def test_keep_freed_memory_only_from_the_command_line(monkeypatch):
 
     on_glibc = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
     assert applied == str(on_glibc)  # set where glibc is, a no-op elsewhere
+
+
+@pytest.mark.parametrize("value", ["false", "off", "no", "0", "FALSE", " Off "])
+def test_keep_freed_memory_is_turned_off_by_every_spelling_of_off(monkeypatch, value):
+    """MXD_LENS_KEEP_FREED_MEMORY=false/off/no once kept freed memory: only "0" was off."""
+    from mxd_lens import allocator
+
+    calls = []
+    monkeypatch.setattr(allocator.ctypes, "CDLL", lambda *a: calls.append(a))  # no mallopt may be reached
+    monkeypatch.setenv("MXD_LENS_KEEP_FREED_MEMORY", value)
+    assert allocator.keep_freed_memory() is False
+    assert calls == []
+
+
+@pytest.mark.parametrize("value", ["1", "true", "on", "yes", "YES", ""])
+def test_keep_freed_memory_on_spellings_and_a_bad_value_refused(monkeypatch, value):
+    from mxd_lens import allocator
+
+    monkeypatch.setenv("MXD_LENS_KEEP_FREED_MEMORY", value)
+    assert allocator.setting_on("MXD_LENS_KEEP_FREED_MEMORY", default=True) is True
+    monkeypatch.setenv("MXD_LENS_KEEP_FREED_MEMORY", "maybe")
+    with pytest.raises(ValueError, match=r"MXD_LENS_KEEP_FREED_MEMORY='maybe': give one of 1, true"):
+        allocator.keep_freed_memory()
+
+
+def test_a_bad_keep_freed_memory_value_is_one_line_from_the_command(monkeypatch, capsys):
+    from mxd_lens.cli import main
+
+    monkeypatch.setenv("MXD_LENS_KEEP_FREED_MEMORY", "maybe")
+    with pytest.raises(SystemExit, match=r"^mxd-lens: MXD_LENS_KEEP_FREED_MEMORY='maybe': give one of"):
+        main(["info", "nowhere"])

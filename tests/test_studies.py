@@ -52,7 +52,7 @@ def test_the_docs_example_study_runs_as_a_verb_and_measures_what_a_hand_loop_doe
             "--layers",
             str(tmp_path / "L1"),
             "--tokens",
-            "128",
+            "384",  # 4 batches of 8 rows of 12: --tokens is read in full, not one batch
             "--context-size",
             "12",
         ]
@@ -66,12 +66,15 @@ def test_the_docs_example_study_runs_as_a_verb_and_measures_what_a_hand_loop_doe
     # by hand: the same rows of the bundled text, the MLP input from the model's own cache, the codes
     from mxd_lens.analysis.inspect import text_batches
 
-    batch = next(iter(text_batches(model, None, 128, 12)))
+    batches = list(text_batches(model, None, 384, 12))
     with torch.no_grad():
-        _, cache = model.run_with_cache(batch, names_filter="blocks.1.ln2.hook_normalized")
-        codes = layer.encode(cache["blocks.1.ln2.hook_normalized"].reshape(-1, model.cfg.d_model))
+        codes = []
+        for batch in batches:
+            _, cache = model.run_with_cache(batch, names_filter="blocks.1.ln2.hook_normalized")
+            codes.append(layer.encode(cache["blocks.1.ln2.hook_normalized"].reshape(-1, model.cfg.d_model)))
+        codes = torch.cat(codes)
+    assert len(batches) == 4 and table.tokens[0] == codes.shape[0] == 384
     assert table.l0[0] == pytest.approx(float((codes != 0).sum(-1).float().mean()))
-    assert table.tokens[0] == codes.shape[0]
     assert "| L1 " in printed and f"{table.l0[0]:.1f}" in printed
 
 
@@ -130,3 +133,172 @@ def test_each_metric_is_described_once_and_each_architecture_label_only_in_the_r
         found = subprocess.run(["git", "grep", "-n", pattern, "--", "mxd_lens"], cwd=root, capture_output=True,
                                text=True).stdout.splitlines()  # fmt: skip
         assert all(line.startswith("mxd_lens/layers/") for line in found), found
+
+
+PLUG_TABLE = '''
+from dataclasses import dataclass
+
+from mxd_lens.studies import Study, StudyResult, register_study
+
+
+@dataclass
+class Options:
+    """A table of a few rows."""
+
+    rows: int = 2
+    """rows to write"""
+
+
+def run(model, options, out):
+    import pandas as pd
+
+    return StudyResult(name="t", table=pd.DataFrame({"x": range(options.rows)}))
+
+
+register_study(Study("plug-table", "a table", "plug_table:Options", "plug_table:run", model=None,
+                     where="mxd_lens.studies.common:Output"))
+'''
+
+
+def test_an_import_reads_only_the_named_module_from_the_working_folder(tmp_path, monkeypatch):
+    """`--import MODULE` reads MODULE.py from the working folder, but the folder is not put on sys.path:
+    a pandas.py (or any module) lying there never runs in place of the installed one."""
+    (tmp_path / "plug_table.py").write_text(PLUG_TABLE)
+    (tmp_path / "pandas.py").write_text("raise SystemExit('the pandas.py of the working folder ran')\n")
+    (tmp_path / "shadow_probe_xyz.py").write_text("raise SystemExit('shadow_probe_xyz ran')\n")
+    # -P: Python itself puts no working folder on sys.path (as for the installed `mxd-lens` script)
+    line = [sys.executable, "-P", "-m", "mxd_lens.cli", "--import", "plug_table", "plug-table", "--out", "o"]
+    done = subprocess.run(line, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert pd.read_csv(tmp_path / "o" / "plug-table" / "t.csv").x.tolist() == [0, 1]
+    # in this process too: the plug-in is imported, the folder stays off sys.path
+    import importlib.util
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    try:
+        with pytest.raises(SystemExit):
+            main(["--import", "plug_table", "plug-table", "--help"])
+        assert "plug-table" in STUDIES and sys.modules["plug_table"].__file__ == str(
+            tmp_path / "plug_table.py"
+        )
+        assert str(tmp_path) not in sys.path and importlib.util.find_spec("shadow_probe_xyz") is None
+    finally:
+        STUDIES.pop("plug-table", None)
+        sys.modules.pop("plug_table", None)
+
+
+def test_a_broken_import_is_one_line_naming_it_and_its_traceback_is_on_request(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "raising_plug.py").write_text("raise RuntimeError('boom in the plug-in')\n")
+    (tmp_path / "syntax_plug.py").write_text("def broken(:\n")
+    (tmp_path / "taken_plug.py").write_text(
+        "from mxd_lens.studies import Study, register_study\n"
+        "register_study(Study('train', 'x', 'taken_plug:X', 'taken_plug:run'))\n"
+    )
+    cases = {
+        "raising_plug": "mxd-lens: --import raising_plug: boom in the plug-in",
+        "syntax_plug": "mxd-lens: --import syntax_plug: SyntaxError: ",
+        "taken_plug": "mxd-lens: --import taken_plug: study name 'train' is a built-in command of mxd-lens",
+    }
+    try:
+        for module, first in cases.items():
+            with pytest.raises(SystemExit) as info:
+                main(["--import", module, "probe", "--help"])
+            lines = str(info.value).split("\n")
+            assert lines[0].startswith(first) and len(lines) == 2 and "MXD_LENS_DEBUG=1" in lines[1], lines
+        with pytest.raises(
+            SystemExit, match=r"^mxd-lens: --import nowhere_xyz: no nowhere_xyz.py .* installed"
+        ):
+            main(["--import", "nowhere_xyz", "probe", "--help"])
+        with pytest.raises(RuntimeError, match="boom in the plug-in"):  # the error itself, on request
+            main(["--debug", "--import", "raising_plug", "probe", "--help"])
+        with pytest.raises(SyntaxError):
+            main(["--import", "syntax_plug", "--debug", "probe", "--help"])
+    finally:
+        for module in cases:
+            sys.modules.pop(module, None)
+    assert "train" not in STUDIES
+
+
+@pytest.fixture
+def entry_points(monkeypatch):
+    """Serve the given entry points as the installed ones of mxd_lens.studies, loaded afresh."""
+    import importlib.metadata
+    import types
+
+    import mxd_lens.studies
+
+    module = types.ModuleType("plug_ep_xyz")
+    module.STUDY = Study("plugged-verb", "a plugged-in study", "plug_ep_xyz:X", "plug_ep_xyz:run")
+    module.PROBE = Study("probe", "another probe", "plug_ep_xyz:X", "plug_ep_xyz:run")
+    module.TRAIN = Study("train", "another train", "plug_ep_xyz:X", "plug_ep_xyz:run")
+    monkeypatch.setitem(sys.modules, "plug_ep_xyz", module)
+    served = []
+
+    def serve(*points):
+        served[:] = [importlib.metadata.EntryPoint(name, value, "mxd_lens.studies") for name, value in points]
+        monkeypatch.setattr(mxd_lens.studies, "_PLUGINS_LOADED", False)
+
+    monkeypatch.setattr(
+        importlib.metadata, "entry_points", lambda group: served if group == "mxd_lens.studies" else []
+    )
+    yield serve
+    STUDIES.pop("plugged-verb", None)
+
+
+def test_a_broken_entry_point_is_one_warning_line_and_breaks_no_verb(entry_points, capsys):
+    entry_points(("broken", "no_such_package_xyz:STUDY"), ("plugged-verb", "plug_ep_xyz:STUDY"))
+    with pytest.raises(SystemExit) as info:
+        main(["prbe"])  # a mistyped verb: argparse's own error, not the plug-in's traceback
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and "invalid choice: 'prbe'" in err and "Traceback" not in err
+    assert (
+        "mxd-lens: warning: skipped the mxd_lens.studies plug-in 'broken' (no_such_package_xyz:STUDY): it "
+        "failed to load: ModuleNotFoundError: No module named 'no_such_package_xyz'\n" in err
+    )
+    entry_points(("broken", "no_such_package_xyz:STUDY"))
+    with pytest.raises(SystemExit) as info:
+        main(["--debug", "--help"])  # the traceback on request
+    assert info.value.code == 0 and "Traceback" in capsys.readouterr().err
+
+
+def test_plugin_registration_errors_are_one_line_each(entry_points, capsys):
+    entry_points(("probe", "plug_ep_xyz:PROBE"), ("train", "plug_ep_xyz:TRAIN"), ("dumps", "json:dumps"))
+    with pytest.raises(SystemExit) as info:
+        main(["--help"])
+    captured = capsys.readouterr()
+    assert info.value.code == 0 and "usage: mxd-lens" in captured.out and "Traceback" not in captured.err
+    warnings = captured.err.splitlines()
+    assert len(warnings) == 3 and all(
+        w.startswith("mxd-lens: warning: skipped the mxd_lens.studies") for w in warnings
+    )
+    assert "a study named 'probe' is already registered" in warnings[0]
+    assert "study name 'train' is a built-in command of mxd-lens" in warnings[1]
+    assert "it is a function, not a mxd_lens.studies.Study" in warnings[2]
+    assert STUDIES["probe"].summary == "sparse probing of saved layers" and "train" not in STUDIES
+
+
+def test_installed_plugin_verbs_are_listed_in_the_help(entry_points, capsys):
+    entry_points(("plugged-verb", "plug_ep_xyz:STUDY"))
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert re.search(r"plugged-verb +a plugged-in study", capsys.readouterr().out)
+
+
+@pytest.mark.parametrize(
+    "study, message",
+    [
+        (Study("../escape", "x", "x:Y", "x.run:run"), "usable as a verb and a folder name"),
+        (Study("a/b", "x", "x:Y", "x.run:run"), "usable as a verb and a folder name"),
+        (Study("ok", "x", "x:Y", "x.run:run", folder="../escape"), "must be a plain folder name"),
+        (Study("ok", "x", "x:Y", "x.run:run", folder="/tmp"), "must be a plain folder name"),
+        (Study("cache", "x", "x:Y", "x.run:run"), "is a built-in command"),
+    ],
+)
+def test_a_study_that_could_write_outside_out_or_shadow_a_command_is_refused(study, message):
+    with pytest.raises(ValueError, match=message):
+        register_study(study)
+    assert study.name not in STUDIES
+    with pytest.raises(ValueError, match="not a plain folder name"):  # nor can one built by hand
+        Study("../escape", "x", "x:Y", "x.run:run").out_folder("results")

@@ -58,7 +58,11 @@ def _load_checked(
         cfg = json.loads((path / SAE_CFG_FILENAME).read_text())
     except json.JSONDecodeError as err:
         raise ValueError(f"{path / SAE_CFG_FILENAME} is not valid JSON ({err})") from None
-    architecture = cfg.get("architecture") if isinstance(cfg, dict) else None
+    if not isinstance(cfg, dict):
+        raise ValueError(
+            f"{path / SAE_CFG_FILENAME} holds a JSON {type(cfg).__name__}, not an object: not a saved layer's cfg"
+        )
+    architecture = cfg.get("architecture")
     if architecture not in known:
         raise ValueError(f"{path} holds architecture {architecture!r}, not one of {whose} {known}; {hint}")
     weights = path / SAE_WEIGHTS_FILENAME
@@ -69,7 +73,31 @@ def _load_checked(
         raise ValueError(
             f"{weights} is not a readable safetensors file (truncated or damaged?): {err}"
         ) from None
-    return SAE.load_from_disk(path, device=device, dtype=dtype)
+    layer = SAE.load_from_disk(path, device=device, dtype=dtype)
+    check_finite(layer, path)
+    layer.mxd_lens_folder = str(path)  # where it was loaded from: what evaluate's messages name
+    return layer
+
+
+class NonFiniteLayerError(ValueError):
+    """A layer holds NaN or infinite parameters (diverged in training, or damaged); the message names
+    the folder (or the layer) and the tensor."""
+
+
+def check_finite(layer: Any, where: str | Path) -> None:
+    """Raise a :class:`NonFiniteLayerError` naming ``where`` (its folder, or its name) and the tensor
+    when any floating-point parameter or buffer of ``layer`` (ours or any SAELens layer: weights, biases,
+    JumpReLU / BatchTopK thresholds) is NaN or infinite: such a layer's metrics would be NaN or absurd."""
+    import torch
+
+    for name, tensor in layer.state_dict().items():
+        if not tensor.is_floating_point() or bool(torch.isfinite(tensor).all()):
+            continue
+        nan, inf = int(torch.isnan(tensor).sum()), int(torch.isinf(tensor).sum())
+        raise NonFiniteLayerError(
+            f"{where}: its {name} holds {nan:,} NaN and {inf:,} infinite of {tensor.numel():,} values (a layer "
+            "that diverged in training, or a damaged file); mxd-lens does not load or evaluate it"
+        )
 
 
 def layer_folders(paths: str | Path | list[str | Path]) -> list[Path]:
@@ -131,11 +159,16 @@ def describe_layer(folder: str | Path) -> Any:
         raise ValueError(
             f"{path / SAE_CFG_FILENAME} is not valid JSON (truncated or damaged?): {err}"
         ) from None
+    if not isinstance(cfg, dict):
+        raise ValueError(
+            f"{path / SAE_CFG_FILENAME} holds a JSON {type(cfg).__name__}, not an object: not a saved layer's cfg"
+        )
     meta = cfg.get("metadata") or {}
     saved_training = meta.get("training")
     training = TrainingRecord.from_dict(saved_training)
     rows: list[tuple[str, Any]] = [
         ("architecture", cfg.get("architecture")),
+        ("arch (--arch), as tables name it", _arch_with_options(cfg)),
         ("d_in -> d_out", f"{cfg.get('d_in')} -> {cfg.get('d_out')}"),
         ("units (d_sae), K", f"{cfg.get('d_sae')}, {cfg.get('k')}"),
         ("model", meta.get("model_name")),
@@ -175,6 +208,31 @@ def describe_layer(folder: str | Path) -> Any:
     return pd.DataFrame([(k, "—" if v is None else str(v)) for k, v in rows], columns=["field", "value"])
 
 
+def _arch_with_options(cfg: dict[str, Any]) -> str | None:
+    """A saved layer's architecture key with the options it was built with (its config's variant fields
+    that differ from their defaults), as ``--arch`` takes it, and the label tables give it:
+    ``mxd:gate=topk,gate_standardize=0.1 (MxD (gate=topk, gate_standardize=0.1))``, so the paper's
+    MxD and the recommended one do not look alike. A SAELens architecture not ours: ``sae_lens.NAME``."""
+    import dataclasses
+
+    from mxd_lens.layers.registry import ARCHITECTURES, arch_label, format_arch
+
+    architecture = cfg.get("architecture")
+    for key, layer_cls in ARCHITECTURES.items():
+        config_cls = layer_cls.config_class
+        if config_cls.architecture() != architecture:
+            continue
+        defaults = {f.name: f.default for f in dataclasses.fields(config_cls)}
+        options = {
+            name: cfg[name]
+            for name in config_cls.variant_fields
+            if name in cfg and cfg[name] != defaults.get(name, dataclasses.MISSING)
+        }
+        arch = format_arch(key, options)
+        return f"{arch} ({arch_label(arch)})"
+    return None if architecture is None else f"sae_lens.{architecture}"
+
+
 def damaged_files(folder: str | Path) -> list[str]:
     """What is wrong with a saved layer folder's two files (empty: both read): cfg.json not a JSON
     object, sae_weights.safetensors without a readable header or shorter than its header says."""
@@ -201,6 +259,27 @@ class DamagedLayerError(ValueError):
     """A saved layer's cfg.json or weights file cannot be read; the message names the file."""
 
 
+class LayerFolderError(ValueError):
+    """A saved layer's files read but do not make a layer (weights missing, of another shape than its
+    cfg.json says, refused by the layer); the message names the folder, on one line."""
+
+
+def _named_folder_error(path: str | Path, err: BaseException) -> BaseException:
+    """``err`` (raised while building the layer of folder ``path``) as one line naming the folder: a
+    :class:`LayerFolderError`, or ``err`` itself when it already names the folder."""
+    message = " ".join(str(err).split())
+    if str(path) in message:
+        return err
+    if isinstance(err, KeyError):
+        message = f"{SAE_WEIGHTS_FILENAME} lacks the tensor {message}"
+    elif isinstance(err, RuntimeError) and "state_dict" in message:  # PyTorch's load_state_dict message
+        message = (
+            f"the weights in {SAE_WEIGHTS_FILENAME} do not fit the layer its {SAE_CFG_FILENAME} describes "
+            f"(saved by another architecture or another size, or damaged?): {message}"
+        )
+    return LayerFolderError(f"{path}: {message}")
+
+
 _WRAPPED = "_mxd_lens_names_damaged_files"
 
 
@@ -208,8 +287,10 @@ def name_damaged_files_in_sae_lens_loaders() -> None:
     """Make ``SAE.load_from_disk`` and ``SAE.from_pretrained`` name the damaged file when they fail on
     one (SAELens raises a bare ``JSONDecodeError`` / ``SafetensorError``): the error is re-raised as a
     :class:`DamagedLayerError` (a ``ValueError``) naming the file, with the original chained; for a hub
-    download it also says to pass ``force_download=True``. Other errors pass through unchanged.
-    Installed once, when our architectures are registered."""
+    download it also says to pass ``force_download=True``. A folder whose files read but do not make a
+    layer (PyTorch's state-dict message for missing or mis-shaped weights, a layer's own refusal of its
+    weights) is a :class:`LayerFolderError` naming the folder, on one line. Other errors pass through
+    unchanged. Installed once, when our architectures are registered."""
     from sae_lens import SAE
 
     disk = SAE.__dict__["load_from_disk"]
@@ -225,6 +306,8 @@ def name_damaged_files_in_sae_lens_loaders() -> None:
             problems = damaged_files(path) if Path(path).is_dir() else []
             if problems:
                 raise DamagedLayerError("; ".join(problems)) from err
+            if Path(path).is_dir() and isinstance(err, (RuntimeError, ValueError, KeyError)):
+                raise _named_folder_error(path, err) from err
             raise
 
     def checked_from_hub(cls: Any, release: str, sae_id: str, *args: Any, **kwargs: Any) -> Any:

@@ -74,18 +74,23 @@ def load_plugins() -> list[str]:
     """Register the architectures installed packages declare under the entry-point group
     ``mxd_lens.architectures`` (once per process): ``name = "pkg.module:LayerClass"`` registers the class
     under ``name``; ``name = "pkg.module"`` imports the module, which registers its own. Returns the
-    names loaded now. A plug-in that fails to load is an error naming it."""
+    names loaded now. A plug-in that fails to load or to register (a taken key or name) is skipped with
+    a :class:`mxd_lens.plugins.PluginWarning` naming it, so it breaks no other architecture or verb."""
     global _PLUGINS_LOADED
     if _PLUGINS_LOADED:
         return []
     _PLUGINS_LOADED = True
     from mxd_lens.layers.base import MLPReplacement
-    from mxd_lens.plugins import entry_point_objects
+    from mxd_lens.plugins import entry_point_objects, skip_plugin
 
     loaded = []
-    for name, _, target in entry_point_objects(PLUGIN_GROUP):
+    for name, value, target in entry_point_objects(PLUGIN_GROUP):
         if isinstance(target, type) and issubclass(target, MLPReplacement) and name not in ARCHITECTURES:
-            register_architecture(name, target)
+            try:
+                register_architecture(name, target)
+            except (TypeError, ValueError, RuntimeError) as err:
+                skip_plugin(PLUGIN_GROUP, name, value, str(err))
+                continue
         loaded.append(name)
     return loaded
 

@@ -18,6 +18,7 @@ declares it under the entry-point group ``mxd_lens.studies`` (``name = "pkg.modu
 from __future__ import annotations
 
 import importlib
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,6 +61,8 @@ class Study:
         if out is None:
             return None
         sub = self.name if self.folder is None else self.folder
+        if sub and not _NAME.fullmatch(sub):  # never outside --out (registration refuses such names)
+            raise ValueError(f"study {self.name!r}: {sub!r} is not a plain folder name")
         return Path(out) / sub if sub else Path(out)
 
 
@@ -142,13 +145,40 @@ STUDIES: dict[str, Study] = {
 _PLUGINS_LOADED = False
 
 
+COMMANDS = frozenset({"check", "mix", "cache", "train", "publish", "export", "info"})
+"""The verbs of ``mxd-lens`` that are not studies: no study may take their names."""
+
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]*")  # a verb, and the folder it writes under --out
+
+
+def check_study(study: Study) -> None:
+    """Refuse (ValueError) a study whose name is not a plain word usable as a verb and as a folder name
+    (letters, digits, ``-``, ``_``; so ``../escape`` cannot write outside ``--out``), that takes the name
+    of a built-in command, or whose ``folder`` is not such a word (or "")."""
+    if not isinstance(study.name, str) or not _NAME.fullmatch(study.name):
+        raise ValueError(
+            f"study name {study.name!r}: give a word usable as a verb and a folder name (letters, digits, "
+            "'-', '_'), e.g. 'my-study'"
+        )
+    if study.name in COMMANDS:
+        raise ValueError(
+            f"study name {study.name!r} is a built-in command of mxd-lens; register it under another"
+        )
+    if study.folder not in (None, "") and not (
+        isinstance(study.folder, str) and _NAME.fullmatch(study.folder)
+    ):
+        raise ValueError(
+            f"study {study.name!r}: folder {study.folder!r} must be a plain folder name (letters, digits, '-', "
+            "'_'), or '' for --out itself"
+        )
+
+
 def register_study(study: Study, replace: bool = False) -> Study:
     """Make ``study`` the verb ``mxd-lens <study.name>``. A name already taken is refused unless
-    ``replace``."""
+    ``replace``; so is one that is not a plain word (:func:`check_study`)."""
     if not isinstance(study, Study):
         raise TypeError(f"register_study takes a mxd_lens.studies.Study, not {type(study).__name__}")
-    if not study.name or study.name.startswith("-") or " " in study.name:
-        raise ValueError(f"study name {study.name!r}: give a word usable as a verb, e.g. 'my-study'")
+    check_study(study)
     if study.name in STUDIES and not replace and STUDIES[study.name] != study:
         raise ValueError(
             f"a study named {study.name!r} is already registered; register_study(..., replace=True)"
@@ -160,20 +190,26 @@ def register_study(study: Study, replace: bool = False) -> Study:
 def load_plugins() -> list[str]:
     """Register the studies installed packages declare under the entry-point group ``mxd_lens.studies``
     (once per process; each entry point names a :class:`Study`). Returns the names loaded now. A plug-in
-    that fails to load is an error naming it."""
+    that fails to load, is not a :class:`Study` or cannot be registered (a taken or bad name) is skipped
+    with a :class:`mxd_lens.plugins.PluginWarning` naming it, so it breaks no other verb."""
     global _PLUGINS_LOADED
     if _PLUGINS_LOADED:
         return []
     _PLUGINS_LOADED = True
-    from mxd_lens.plugins import entry_point_objects
+    from mxd_lens.plugins import entry_point_objects, skip_plugin
 
     loaded = []
     for name, value, study in entry_point_objects(PLUGIN_GROUP):
         if not isinstance(study, Study):
-            raise RuntimeError(
-                f"the {PLUGIN_GROUP} plug-in {name!r} ({value}) is not a mxd_lens.studies.Study"
+            skip_plugin(
+                PLUGIN_GROUP, name, value, f"it is a {type(study).__name__}, not a mxd_lens.studies.Study"
             )
-        register_study(study)
+            continue
+        try:
+            register_study(study)
+        except ValueError as err:
+            skip_plugin(PLUGIN_GROUP, name, value, str(err))
+            continue
         loaded.append(study.name)
     return loaded
 

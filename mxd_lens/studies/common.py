@@ -77,6 +77,29 @@ def host_model(where: HostOptions, options: Any) -> Any:
         ) from None
 
 
+TEXT_FIELDS = ("text", "eval_text", "ood_text", "data")
+"""The option fields that name a text or data source (a file, a folder, a dataset)."""
+
+
+def recorded_options(options: Any) -> dict[str, Any]:
+    """A study's options as its record keeps them (``dataclasses.asdict``), each text or data source
+    (:data:`TEXT_FIELDS`) named as training records name it (:func:`mxd_lens.data.text_name`): a local
+    path given relative to the working folder is recorded absolute, so the record names it from
+    anywhere; a dataset name or a file shipped with mxd-lens as before."""
+    from dataclasses import asdict
+
+    from mxd_lens.data import text_name
+
+    record = asdict(options)
+    for key in TEXT_FIELDS:
+        value = record.get(key)
+        if isinstance(value, str):
+            record[key] = text_name(value)
+        elif isinstance(value, list):
+            record[key] = [text_name(v) if isinstance(v, str) else v for v in value]
+    return record
+
+
 def layer_paths(options: Any) -> list[str]:
     """The saved layers a study's options name (``layers``: a list or one folder; ``layer``)."""
     for attribute in ("layers", "layer"):

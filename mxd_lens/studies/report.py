@@ -103,7 +103,11 @@ def render_table(table: Any, specs: Sequence[Column] | None = None) -> str:
         values = [spec.render(v) for v in table[spec.name]]
         if spec.se and spec.se in table:
             fmt = COLUMNS.get(spec.se, Column(spec.se, format="{:.4f}"))
-            values = [f"{v} ± {fmt.render(s)}" for v, s in zip(values, table[spec.se], strict=True)]
+            # no "±" where the error is not known (NaN: one batch) or the value is not shown
+            values = [
+                f"{v} ± {se}" if v and (se := fmt.render(s)) else v
+                for v, s in zip(values, table[spec.se], strict=True)
+            ]
         shown[spec.label or spec.name] = values
     frame = pd.DataFrame(shown)
     align = ["left"] + ["right"] * (len(frame.columns) - 1)

@@ -4,7 +4,8 @@
 # sittings of SITTING (default 5,000) steps. After every 1,000 steps the resumable state (checkpoint,
 # model, trend, logs; ~3 MB) is kept in docs/results/spd/ref-token-subset-h16-run/, and after every
 # sitting that folder is committed: the run outlives the machine. On a fresh clone the same command
-# resumes from the committed state (bit-exactly: tests/test_spd_induction.py) and first trains the toy
+# resumes from the committed state (bit-exactly on the same machine and thread count, tests/test_spd_induction.py;
+# elsewhere to ~1e-7) and first trains the toy
 # model if neither it nor a kept copy exists (~45 min).
 #   nohup bash docs/results/spd/ref-run.sh > results/spd-ref-run.log 2>&1 &
 # THREADS (default 1) torch threads; COMMIT=0 keeps the state without committing; VARIANT (default

@@ -50,10 +50,27 @@ def run(model: Any, options: DemoOptions, out: Path | None) -> StudyResult:
     ]
     if quick:
         parts.append("(--quick is a smoke test of the pipeline on few tokens: its numbers are not a result.)")
+    freed = _drop_checkpoints(out)
+    size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
     parts.append(
-        f"plot: {out}/frontier.png   table: {out}/frontier.csv   weights: {Path(rows[0]['weights']).parent}/"
+        f"plot: {out}/frontier.png   table: {out}/frontier.csv   weights: {Path(rows[0]['weights']).parent}/\n"
+        f"{out} holds {size / 2**20:,.0f} MiB (the activation cache, the weights, the tables); the training "
+        f"checkpoints ({freed / 2**20:,.0f} MiB) were removed once every layer was trained and evaluated"
     )
     return StudyResult(name="demo", text="\n\n".join(parts), value=rows)
+
+
+def _drop_checkpoints(out: Path) -> int:
+    """Remove the resumable training state of a finished demo (``runs/*/checkpoints``: a rerun reads
+    each group's eval.json and final weights, never its checkpoints); the bytes freed."""
+    import shutil
+
+    freed = 0
+    for folder in out.glob("runs/*/checkpoints"):
+        if (folder.parent / "eval.json").is_file() and (folder.parent / "final").is_dir():
+            freed += sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+            shutil.rmtree(folder)
+    return freed
 
 
 def demo_table(rows: list[dict[str, Any]]) -> str:
@@ -86,6 +103,11 @@ def demo_verdict(rows: list[dict[str, Any]]) -> str:
             + "; ".join(f"{r['label']} {r['ood_kl']:.4f}" for r in ood)
             + ", ΔCE "
             + "; ".join(f"{r['label']} {r['ood_delta_ce']:+.4f}" for r in ood)
+            + (
+                f" (deleting the MLP gives {ood[0]['ood_ce_zero_ablation'] - ood[0]['ood_ce_clean']:+.4f} there)"
+                if "ood_ce_zero_ablation" in ood[0]
+                else ""
+            )
             + "."
         )
     negative = [r["label"] for r in rows if r["delta_ce"] < 0]

@@ -211,28 +211,41 @@ class EvaluationNotRecorded(OSError):
 
 def _record_evaluations(paths: Sequence[Path], rows: list[dict[str, Any]], eval_info: dict[str, Any],
                         config: Any, model: Any) -> None:  # fmt: skip
+    for path, row in zip(paths, rows, strict=True):
+        record_evaluation(path, row, {**eval_info, "split": config.split}, config.context_size,
+                          config.skip_positions, model)  # fmt: skip
+
+
+def record_evaluation(path: Path, row: dict[str, Any], text: dict[str, Any], context_size: int,
+                      skip_positions: int, model: Any) -> None:  # fmt: skip
+    """Record one evaluation (``row``: ``evaluate``'s row for the layer saved in ``path``, on ``text``:
+    its source, side and split settings, as :class:`TextRecord` stores them) in the layer's cfg.json
+    (``metadata.evaluations``; ``metadata.evaluation``: the latest) and in an eval.json beside it, as
+    ``mxd-lens eval`` does; what the frontier and the demo record for the layers they train too."""
     from mxd_lens import __version__
     from mxd_lens.evaluation import EVAL_METRICS
     from mxd_lens.fileio import atomic_write_text, remove_stale_temporaries
     from mxd_lens.models import model_source
+    from mxd_lens.records import finite_json
 
-    for path, row in zip(paths, rows, strict=True):
-        remove_stale_temporaries(path, ("cfg.json", "eval.json"))  # left by a killed evaluation
-        record = {
-            "metrics": {k: row[k] for k in EVAL_METRICS if k in row},
-            "text": {**eval_info, "split": config.split},
-            "tokens": row["tokens"],
-            "context_size": config.context_size,
-            "skip_positions": config.skip_positions,
-            "model": model_source(model),
-            "mxd_lens_version": __version__,
-        }
-        cfg = json.loads((path / "cfg.json").read_text())
-        meta = cfg.setdefault("metadata", {})
-        # one record per (text, split, tokens, context): evaluating on three texts keeps three; kept as
-        # stored (a layer evaluated before there could be several has one "evaluation")
-        earlier = meta.get("evaluations") or ([meta["evaluation"]] if meta.get("evaluation") else [])
-        meta["evaluations"] = keep_evaluation(earlier, record)
-        meta["evaluation"] = record  # the latest (what the model card and frontier tables show)
-        atomic_write_text(path / "cfg.json", json.dumps(cfg, indent=2))
-        atomic_write_text(path / "eval.json", json.dumps({**record, "row": row}, indent=1))
+    remove_stale_temporaries(path, ("cfg.json", "eval.json"))  # left by a killed evaluation
+    record = {
+        "metrics": {k: row[k] for k in EVAL_METRICS if k in row},
+        "text": text,
+        "tokens": row["tokens"],
+        "context_size": context_size,
+        "skip_positions": skip_positions,
+        "model": model_source(model),
+        "mxd_lens_version": __version__,
+    }
+    cfg = json.loads((path / "cfg.json").read_text())
+    meta = cfg.setdefault("metadata", {})
+    # one record per (text, split, tokens, context): evaluating on three texts keeps three; kept as
+    # stored (a layer evaluated before there could be several has one "evaluation")
+    earlier = meta.get("evaluations") or ([meta["evaluation"]] if meta.get("evaluation") else [])
+    meta["evaluations"] = keep_evaluation(earlier, record)
+    meta["evaluation"] = record  # the latest
+    # strict JSON: a metric that is NaN (one batch's standard error, a top-1 FVU not known) as null
+    atomic_write_text(path / "cfg.json", json.dumps(finite_json(cfg), indent=2, allow_nan=False))
+    eval_json = finite_json({**record, "row": row})
+    atomic_write_text(path / "eval.json", json.dumps(eval_json, indent=1, allow_nan=False))

@@ -43,6 +43,8 @@ from mxd_lens.fileio import atomic_write_text
 from mxd_lens.layers import arch_label
 from mxd_lens.models import loadable_name
 from mxd_lens.studies import StudyResult
+from mxd_lens.studies.common import recorded_options
+from mxd_lens.studies.eval.run import record_evaluation
 from mxd_lens.studies.frontier import FrontierConfig, FrontierOptions, ReportOptions
 from mxd_lens.training import LearnerSpec, Trainer
 
@@ -96,7 +98,7 @@ def run_frontier(
     cache, text_info, n_shards = write_frontier_cache(model, config, out, progress)
     if config.eval_text is not None:
         eval_info = {
-            "text": config.eval_text,
+            "text": data.text_name(config.eval_text),
             "split": "all",
             "digests": data.source_digests(config.eval_text),
         }
@@ -147,13 +149,20 @@ def run_frontier(
         if batches is None:
             batches = eval_batches(model, config)
         rows = evaluate(model, layers, batches, progress=progress)
+        for row in rows:  # in each layer's cfg.json too, as `mxd-lens eval` records it (`mxd-lens info`)
+            record_evaluation(folder / "final" / row["name"], row, eval_info, config.context_size, 0, model)
         if config.ood_text is not None:
             if ood_batches is None:
                 ood_batches = held_out_batches(model, config.ood_text, "all",
                                                config.ood_eval_tokens or config.eval_tokens,
                                                config.context_size, config.eval_rows_per_forward)  # fmt: skip
+            ood_info = {"text": data.text_name(config.ood_text), "split": "all", "eval_fraction": 1.0,
+                        "digests": data.source_digests(config.ood_text)}  # fmt: skip
             for row, ood in zip(rows, evaluate(model, layers, ood_batches, progress=progress), strict=True):
                 row.update({f"ood_{key}": value for key, value in ood.items() if key not in _IDENTITY})
+                record_evaluation(
+                    folder / "final" / row["name"], ood, ood_info, config.context_size, 0, model
+                )
         for row in rows:
             spec = trainer.learners[row["name"]].spec
             row.update(
@@ -198,7 +207,7 @@ def frontier_result(rows: list[dict[str, Any]], config: FrontierConfig) -> Study
 
     record = {
         "command": shlex.join(sys.argv),
-        "config": asdict(config),
+        "config": recorded_options(config),
         "train_config": asdict(config.train_config(config.seed)),
         "results": rows,
     }

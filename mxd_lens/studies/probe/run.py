@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +32,7 @@ def run(model: Any, options: ProbeOptions, out: Path, task_sets: Sequence[Any] |
     from mxd_lens.layers import arch_label
     from mxd_lens.layers.io import load_layers
     from mxd_lens.records import TrainingRecord
+    from mxd_lens.studies.common import recorded_options
 
     task_sets = suite(options, task_sets)
     layers = load_layers(options.layers, foreign=True)
@@ -54,7 +54,7 @@ def run(model: Any, options: ProbeOptions, out: Path, task_sets: Sequence[Any] |
     )
     table["label"] = table.source.map(labels).fillna(table.source)  # for people reading the CSV
     record = {
-        "study": asdict(options),
+        "study": recorded_options(options),
         "model": model.cfg.model_name,
         "layers": {name: TrainingRecord.of(layer).tokens for name, layer in layers.items()},
         "task_sets": [{"name": s.name, "classes": s.classes, "per_class": s.per_class, "binary": s.binary,
@@ -71,6 +71,8 @@ def suite(options: ProbeOptions, task_sets: Sequence[Any] | None = None) -> list
 
     if task_sets is None:
         data = options.data or tasks.bundled_data()
+        if options.per_class is not None:
+            check_per_class(options.per_class, tasks.OFFLINE_SETS if options.suite == "offline" else [])
         task_sets = (
             tasks.offline_suite(options.per_class, data)
             if options.suite == "offline"
@@ -86,6 +88,32 @@ def suite(options: ProbeOptions, task_sets: Sequence[Any] | None = None) -> list
             "docs/data.md), or --suite saebench"
         )
     return list(task_sets)
+
+
+def check_per_class(per_class: int, task_sets: Sequence[Any]) -> None:
+    """Refuse ``--per-class`` values too few for the probes' split (:func:`mxd_lens.analysis.tasks.splits`:
+    each class cut 60/20/20 into train/validation/test, at least 2 in each part), naming the least that
+    works for every set of the suite (binary sets take 5/4 as many), before any text is read."""
+    from mxd_lens.analysis.tasks import splits
+
+    def splits_ok(n: int) -> bool:
+        try:
+            splits(["a"] * n + ["b"] * n)
+        except ValueError:
+            return False
+        return n >= 5  # TaskSet's own floor
+
+    def works(p: int) -> bool:
+        return all(splits_ok(p * 5 // 4 if s.binary else p) for s in task_sets) and splits_ok(p)
+
+    if works(per_class):
+        return
+    least = next(p for p in range(max(per_class, 1), 10_000) if all(works(q) for q in range(p, p + 50)))
+    raise ValueError(
+        f"--per-class {per_class} is too few: each class's examples are split 60/20/20 into train, "
+        f"validation and test with at least 2 in each, which takes --per-class {least} or more (tens to "
+        "hundreds for a useful accuracy)"
+    )
 
 
 def check(options: ProbeOptions) -> None:

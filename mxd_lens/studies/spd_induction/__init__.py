@@ -48,7 +48,8 @@ class SPDInductionOptions:
     state: after every --trend-every chunk and at the end of a sitting the latest checkpoint, the model,
     run_config.json, metrics.json, trend.jsonl and train_log.jsonl are copied there (replacing the last
     copy; a few MB for the toy). A run whose folder has no checkpoint resumes from it (a fresh clone):
-    commit the folder and the run outlives the machine"""
+    commit the folder and the run outlives the machine. Locked while a run keeps there (a second is
+    refused); a kept state of another run, or a damaged one, is refused before anything is copied"""
     pgd_steps: int = 20
     """report: steps of the adversarial (PGD) mask search whose KL and accuracy are reported next to the
     stochastic masks' (mxd_lens.spd.adversarial; 0: none)"""

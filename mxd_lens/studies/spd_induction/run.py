@@ -28,7 +28,7 @@ import json
 import logging
 import os
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -159,15 +159,29 @@ def train_variant(study: SPDInductionOptions, root: str | Path, progress: bool =
     """Train (or resume) ``study`` under ROOT/NAME, to ``study.until`` (when given) or ``study.steps``;
     appends this sitting's wall/CPU time to train_log.jsonl and returns that record. With
     ``study.keep_in`` the run resumes from the state kept there when it is newer than its own
-    checkpoints (a fresh clone has none), and keeps its state there after every chunk (:func:`keep_state`)."""
+    checkpoints (a fresh clone has none), and keeps its state there after every chunk (:func:`keep_state`).
+    ``keep`` is locked meanwhile (a second run keeping into it is refused, :func:`lock_kept`), and a kept
+    state is checked before anything is copied (:func:`restore_kept`): a refusal leaves ROOT/NAME as it was."""
     root = Path(root)
-    out = root / study.name
     keep = Path(study.keep_in) if study.keep_in else None
-    if keep is not None:
-        restore_kept(keep, out)
+    lock = lock_kept(keep) if keep is not None else None
+    try:
+        return _train_variant(study, root, keep, progress)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _train_variant(
+    study: SPDInductionOptions, root: Path, keep: Path | None, progress: bool
+) -> dict[str, Any]:
+    out = root / study.name
+    kept = read_kept(keep) if keep is not None else None
+    restoring = kept is not None and kept.step > _local_step(out)
     run_config = out / "run_config.json"
-    if run_config.is_file():
-        saved = json.loads(run_config.read_text())
+    own = _read_json(run_config) if run_config.is_file() else None
+    saved = (kept.run_config or own) if restoring else own  # what run_config.json will say
+    if saved is not None:
         model_path = Path(saved["model"])
         if study.model and Path(study.model) != model_path:
             raise ValueError(f"{out} was trained on {model_path}; refusing {study.model}")
@@ -186,6 +200,10 @@ def train_variant(study: SPDInductionOptions, root: str | Path, progress: bool =
         raise ValueError(
             f"--until {study.until}: give a step in 1..--steps ({config.steps}), or 0 for --steps"
         )
+    _, trainer = build_trainer(out, model_path, config, progress, study.device)
+    if restoring:
+        restore_kept(keep, out, trainer)
+    trainer.load_checkpoint()  # refuses a checkpoint of another run before run_config.json is written
     out.mkdir(parents=True, exist_ok=True)
     record_model = {"model": str(model_path)}
     if model_path.is_file():
@@ -194,8 +212,6 @@ def train_variant(study: SPDInductionOptions, root: str | Path, progress: bool =
         run_config,
         json.dumps({"variant": study.variant, **record_model, "config": asdict(config)}, indent=1),
     )
-    _, trainer = build_trainer(out, model_path, config, progress, study.device)
-    trainer.load_checkpoint()
     stop = study.until or config.steps
     start_step, started, cpu_started = trainer.step, time.perf_counter(), time.process_time()
     log.info("%s: model %s, from step %d to %d of %d", out.name, model_path, start_step, stop, config.steps)
@@ -269,35 +285,198 @@ def keep_state(out: Path, keep: Path, model_path: Path) -> Path | None:
     return latest
 
 
-def restore_kept(keep: Path, out: Path) -> Path | None:
-    """Install the state kept in ``keep`` (see :func:`keep_state`) as run ``out``'s newest checkpoint when
-    ``out`` has none or only older ones; copies the kept files ``out`` lacks (all of them when the kept
-    state is newer). Returns the checkpoint folder made (None: nothing kept, or ``out`` is as new)."""
-    import shutil
+def lock_kept(keep: Path) -> Any:
+    """Lock ``keep`` (``keep``/.lock, a :class:`mxd_lens.checkpoints.RunLock`) for a run keeping its state
+    there; a second one gets ``RunLocked`` naming ``keep`` and the holder's pid."""
+    from mxd_lens.checkpoints import RunLock, RunLocked
 
-    kept = keep / "checkpoint"
-    if not (kept / "state.pt").is_file():
-        if keep.exists() and any(keep.iterdir()):
+    lock = RunLock(keep, "run keeping its state there")
+    try:
+        return lock.acquire()
+    except RunLocked:
+        holder = (keep / ".lock").read_text().strip() if (keep / ".lock").is_file() else ""
+        raise RunLocked(
+            f"--keep-in {keep} is in use by another run keeping its state there (pid {holder or 'unknown'}): "
+            "wait for it to finish, or give another --keep-in"
+        ) from None
+
+
+@dataclass
+class Kept:
+    """The state kept in a folder (:func:`keep_state`): its checkpoint folder, step, identity
+    (trainer_state.json) and run_config.json (None: not kept)."""
+
+    folder: Path
+    step: int
+    identity: dict[str, Any]
+    run_config: dict[str, Any] | None
+
+
+class KeptStateDamaged(ValueError):
+    """A file of a ``--keep-in`` folder cannot be read; the message names it and what is wrong."""
+
+
+def _damaged(path: Path, what: str) -> KeptStateDamaged:
+    return KeptStateDamaged(
+        f"kept state {path} {what}: restore it (git checkout / git lfs pull), or give another --keep-in"
+    )
+
+
+def _read_json(path: Path, kept: bool = False, lines: bool = False) -> Any:
+    """``path`` parsed (each line with ``lines``); a damaged file raises ValueError naming it, the line
+    and what is wrong (``KeptStateDamaged`` for a kept file)."""
+    error = _damaged if kept else (lambda p, what: ValueError(f"{p} {what}"))
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise error(path, f"is not UTF-8 text (byte {err.start})") from None
+    except OSError as err:
+        raise error(path, f"cannot be read ({err.strerror or err})") from None
+    try:
+        if lines:
+            parsed = []
+            for number, line in enumerate(text.splitlines(), 1):
+                parsed.append(json.loads(line))
+                if not isinstance(parsed[-1], dict):
+                    raise error(path, f"line {number} is not a JSON object")
+            return parsed
+        parsed = json.loads(text)
+    except json.JSONDecodeError as err:
+        where = f"line {number}" if lines else f"line {err.lineno}"
+        raise error(path, f"is not valid JSON ({where}: {err.msg})") from None
+    if not isinstance(parsed, dict):
+        raise error(path, "is not a JSON object")
+    return parsed
+
+
+def read_kept(keep: Path) -> Kept | None:
+    """The state kept in ``keep`` (None: nothing kept yet). A damaged checkpoint (a file missing, or
+    trainer_state.json unreadable) raises ``KeptStateDamaged`` naming the file in ``keep``."""
+    folder = keep / "checkpoint"
+    if not folder.exists():
+        if keep.exists() and any(p.name != ".lock" for p in keep.iterdir()):
             log.info("%s holds no kept checkpoint yet", keep)
         return None
-    kept_step = int(json.loads((kept / "trainer_state.json").read_text())["step"])
-    checkpoints = out / "checkpoints"
+    for name in ("trainer_state.json", "state.pt"):
+        if not (folder / name).is_file():
+            raise _damaged(folder / name, "is missing (the kept checkpoint is incomplete)")
+    identity = _read_json(folder / "trainer_state.json", kept=True)
+    step = identity.get("step")
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise _damaged(folder / "trainer_state.json", f"has no step count (step: {step!r})")
+    run_config = keep / "run_config.json"
+    saved = _read_json(run_config, kept=True) if run_config.is_file() else None
+    if saved is not None and not isinstance(saved.get("model"), str):
+        raise _damaged(run_config, 'names no model (no "model" string)')
+    return Kept(folder, step, identity, saved)
+
+
+def _check_kept_files(keep: Path, kept: Kept) -> None:
+    """Every kept file a resume reads, read now (``KeptStateDamaged`` naming the first damaged one)."""
+    state = kept.folder / "state.pt"
+    with open(state, "rb") as f:
+        head = f.read(64)
+    if head.startswith(b"version https://git-lfs"):
+        raise _damaged(state, "is a Git LFS pointer, not the state (git lfs pull)")
+    try:
+        saved = torch.load(state, map_location="cpu", weights_only=True)
+    except Exception as err:  # truncated, not a torch file, ...
+        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise _damaged(state, f"cannot be read ({type(err).__name__}: {reason})") from None
+    if not isinstance(saved, dict) or saved.get("step") != kept.step:
+        found = saved.get("step") if isinstance(saved, dict) else type(saved).__name__
+        raise _damaged(state, f"holds step {found}, but trainer_state.json beside it says {kept.step}")
+    for name in ("trend.jsonl", "train_log.jsonl"):
+        if (keep / name).is_file():
+            _read_json(keep / name, kept=True, lines=True)
+    if (keep / "faithfulness_warmup.json").is_file():
+        _read_json(keep / "faithfulness_warmup.json", kept=True)
+
+
+def _local_step(out: Path) -> int:
+    """The step of ``out``'s newest checkpoint (-1: none)."""
     from mxd_lens.checkpoints import latest_checkpoint
 
-    local = latest_checkpoint(checkpoints, "state.pt")
-    local_step = int(json.loads((local / "trainer_state.json").read_text())["step"]) if local else -1
-    if local_step >= kept_step:
+    local = latest_checkpoint(out / "checkpoints", "state.pt")
+    if local is None:
+        return -1
+    step = _read_json(local / "trainer_state.json").get("step")
+    if not isinstance(step, int):
+        raise ValueError(f"{local / 'trainer_state.json'} has no step count (step: {step!r})")
+    return step
+
+
+def _check_kept_is_this_run(keep: Path, kept: Kept, out: Path, trainer: SPDTrainer | None) -> None:
+    """Refuse (before anything is copied) a kept state of another run than the one asked (``trainer``'s
+    identity: config, decomposition, CI_VERSION) or than ``out`` holds (its newest checkpoint's identity,
+    its run_config.json's model)."""
+    from mxd_lens.checkpoints import latest_checkpoint
+    from mxd_lens.loop import ResumeMismatch, differences
+    from mxd_lens.spd.train import _FREE
+
+    nothing = f"nothing was copied into {out}"
+    if trainer is not None:
+        try:
+            trainer.check_identity(kept.folder, trainer.read_identity(kept.folder))
+        except ResumeMismatch as err:
+            raise ResumeMismatch(f"--keep-in {keep}: {err}; {nothing}") from None
+    local = latest_checkpoint(out / "checkpoints", "state.pt")
+    if local is not None:
+        ours = _read_json(local / "trainer_state.json")
+        diff = {}
+        for part in ("config", "decomposition"):
+            a, b = ours.get(part), kept.identity.get(part)
+            if isinstance(a, dict) and isinstance(b, dict):
+                both = (set(a) & set(b)) - set(_FREE)  # keys one of them lacks: written before they existed
+                diff.update(differences({k: a[k] for k in both}, {k: b[k] for k in both}))
+        if ours.get("ci_version", 1) != kept.identity.get("ci_version", 1):
+            diff["ci_version"] = (ours.get("ci_version", 1), kept.identity.get("ci_version", 1))
+        if diff:
+            raise ResumeMismatch(
+                f"--keep-in {keep} keeps another run than {out} holds ({local.name} vs the kept step "
+                f"{kept.step}; {out.name}, kept: {diff}): give the run's own --keep-in, or train into "
+                f"another folder; {nothing}"
+            )
+    own = out / "run_config.json"
+    if kept.run_config is not None and own.is_file():
+        a, b = _read_json(own).get("model_sha256"), kept.run_config.get("model_sha256")
+        if a and b and a != b:
+            raise ResumeMismatch(
+                f"--keep-in {keep} keeps a run of another model (sha256 {b[:12]}) than {out} holds "
+                f"({a[:12]}): give the run's own --keep-in, or train into another folder; {nothing}"
+            )
+
+
+def restore_kept(keep: Path, out: Path, trainer: SPDTrainer | None = None) -> Path | None:
+    """Install the state kept in ``keep`` (see :func:`keep_state`) as run ``out``'s newest checkpoint when
+    ``out`` has none or only older ones, with the kept files (they replace ``out``'s). Returns the
+    checkpoint folder made (None: nothing kept, or ``out`` is as new).
+
+    Everything is checked before anything is copied, and a refusal leaves ``out`` as it was: every kept
+    file must be readable (``KeptStateDamaged`` names the file in ``keep`` and what is wrong), and the
+    kept state must be of the run asked (``trainer``'s identity, when given) and of the run ``out``
+    holds (``ResumeMismatch``)."""
+    import shutil
+
+    kept = read_kept(keep)
+    if kept is None:
         return None
-    folder = checkpoints / f"step_{kept_step:09d}"
+    local_step = _local_step(out)
+    if local_step >= kept.step:
+        return None
+    _check_kept_files(keep, kept)
+    _check_kept_is_this_run(keep, kept, out, trainer)
+    checkpoints = out / "checkpoints"
+    folder = checkpoints / f"step_{kept.step:09d}"
     checkpoints.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(folder, ignore_errors=True)
-    shutil.copytree(kept, folder)
+    shutil.copytree(kept.folder, folder)
     atomic_write_text(checkpoints / "latest", folder.name)
     for name in KEPT_FILES:
         if (keep / name).is_file():
             atomic_write_bytes(out / name, (keep / name).read_bytes())
     log.info("%s: resuming from the state kept in %s (step %d; this folder's newest: %d)",
-             out, keep, kept_step, max(local_step, 0))  # fmt: skip
+             out, keep, kept.step, max(local_step, 0))  # fmt: skip
     return folder
 
 

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from mxd_lens.studies import StudyResult
+from mxd_lens.studies.common import recorded_options
 from mxd_lens.studies.steer import SteerOptions
 
 log = logging.getLogger(__name__)
@@ -54,7 +54,7 @@ def run(model: Any, options: SteerOptions, out: Path | None, progress: bool = Tr
     return StudyResult(
         name="steering",
         table=table,
-        record={"study": asdict(options), "rows": json.loads(table.to_json(orient="records"))},
+        record={"study": recorded_options(options), "rows": json.loads(table.to_json(orient="records"))},
         tables=tables,
         figures={"steering.png": plot_sweep(table)},
         pages=pages,
