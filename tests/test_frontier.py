@@ -234,3 +234,21 @@ def test_plot_against_measured_l0_places_points_at_their_l0():
     assert "L0 measured" in fig.axes[0].get_xlabel()
     with pytest.raises(ValueError, match="choose 'k' or 'l0'"):
         plot_frontier(pd.DataFrame(rows), x="K")
+
+
+def test_frontier_starts_mxd_from_the_mlp_on_request(tmp_path):
+    """init="mlp": the MxD learners copy the host MLP's E, b_E and D (as `train --init mlp`), the
+    transcoder starts as always; rows say which."""
+    from mxd_lens.studies.frontier.run import _init
+
+    model, corpus = make_text_model(tmp_path)
+    config = FrontierConfig(text=str(corpus), blocks=[1], ks=[2], width_multiplier=8, train_tokens=64 * 12,
+                            eval_tokens=100, context_size=12, batch_tokens=64, rows_per_shard=16,
+                            eval_fraction=0.1, archs=["mxd", "transcoder"], init="mlp")  # fmt: skip
+    assert _init("mxd:gate=topk", config) == "mlp" and _init("transcoder", config) == "default"
+    rows = run_frontier(model, config, tmp_path / "out", progress=False)
+    assert sorted((r["method"], r["init"]) for r in rows) == [("mxd", "mlp"), ("transcoder", "default")]
+    names = sorted(p.name for p in (tmp_path / "out" / "runs" / "L1.seed0" / "final").iterdir() if p.is_dir())
+    assert names == ["L1.mxd.k2.m8.init-mlp", "L1.transcoder.k2.m8"]
+    with pytest.raises(ValueError, match="init='given': choose 'default' or 'mlp'"):
+        FrontierConfig(text=str(corpus), blocks=[1], ks=[2], init="given")

@@ -8,6 +8,9 @@
 #                                           # 0.1 and 0.01): does it break the topk gate's always-on core?
 #   bash docs/results/protocol/study.sh D   # the standardised gate (r = 0.1) where A3 did not run: blocks 5
 #                                           # and 25, and block 15's second seed
+#   bash docs/results/protocol/study.sh I   # block 15, K = 32, seed 0: the paper's and the standardised MxD
+#                                           # started from the MLP (--init mlp: E, b_E, D copied), beside
+#                                           # A's and A3's default-init rows (issue 43, part 5)
 #   bash docs/results/protocol/study.sh S   # A0's four layers and the standardised-gate MxD in one run, the
 #                                           # layers steer.sh reads (rebuilt after a reset; ~1 hour)
 # Methods: MxD with the paper's gate, MxD with the new variant the sweep chose (sweep.md), the TopK and
@@ -17,7 +20,9 @@
 # Resumable: rerun the same command (checkpoints under results/protocol-PART/runs). THREADS (default 2).
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
-PART=${1:?give A, A0, A3, B, C, D or S}
+PART=${1:?give A, A0, A3, B, C, D, I or S}
+CACHE=${CACHE:-results/cache-mix7}  # any cache of the same text holding the part's blocks (cache.sh)
+EXTRA=()
 export HF_HUB_OFFLINE=1 OMP_NUM_THREADS=${THREADS:-2}
 JE=/usr/lib/x86_64-linux-gnu/libjemalloc.so.2; [ -f $JE ] && export LD_PRELOAD=$JE
 DATA=${DATA:-../shared/data}
@@ -40,10 +45,12 @@ case $PART in
      ARCHS+=("$STD_MXD"); ARCH_LR+=" $STD_MXD=0.002" ;;
   D) POINTS=(--blocks 5 25 --ks 32 --grid 15:32@1)
      ARCHS=("$STD_MXD"); ARCH_LR="$STD_MXD=0.002" ;;
-  *) echo "unknown part $PART: give A, A0, A3, B, C, D or S" >&2; exit 2 ;;
+  I) POINTS=(--blocks 15 --ks 32)
+     ARCHS=(mxd "$STD_MXD"); ARCH_LR="mxd=0.002 $STD_MXD=0.002"; EXTRA=(--init mlp) ;;
+  *) echo "unknown part $PART: give A, A0, A3, B, C, D, I or S" >&2; exit 2 ;;
 esac
 exec .venv/bin/mxd-lens frontier --progress false --text results/data/mix7.txt.xz \
     --eval-fraction 0.05 --eval-tokens 32768 --ood-text $DATA/probing/topic_bbc_news.jsonl.xz \
     --ood-eval-tokens 32768 --train-tokens 524288 --epochs 2 --cache-dtype float16 \
-    --cache results/cache-mix7 "${POINTS[@]}" --archs "${ARCHS[@]}" \
-    --arch-lr $ARCH_LR --out results/protocol-$PART
+    --cache "$CACHE" "${POINTS[@]}" --archs "${ARCHS[@]}" \
+    --arch-lr $ARCH_LR "${EXTRA[@]}" --out results/protocol-$PART

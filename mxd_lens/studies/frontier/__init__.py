@@ -30,6 +30,9 @@ class FrontierConfig:
     archs: list[str] | None = None
     """keys of mxd_lens.ARCHITECTURES, with options if wanted (mxd:gate=topk); unset: the paper's MxD (mxd),
     the recommended one (config.RECOMMENDED_MXD), the TopK and the skip transcoder"""
+    init: str = "default"
+    """'mlp': every learner whose architecture takes the host MLP's weights (MxD: E, b_E, D) starts from
+    them, as `mxd-lens train --init mlp`; the others start as always. 'default': the architectures' own"""
     arch_lr: list[str] = field(default_factory=list)
     """a learning rate per architecture, "ARCH=LR" (e.g. mxd=0.001 transcoder=0.002); others use lr"""
     train_tokens: int = 1_000_000  # tokens cached from the train split
@@ -63,6 +66,8 @@ class FrontierConfig:
 
         for arch in self.archs:
             get_architecture(parse_arch(arch)[0])  # a clear error for an unknown key (options: LearnerSpec)
+        if self.init not in ("default", "mlp"):
+            raise ValueError(f"init={self.init!r}: choose 'default' or 'mlp'")
         self.lr_of(self.archs[0])  # a clear error for a malformed arch_lr
         if not self.learners():
             raise ValueError("give at least one block and one K (blocks and ks, or grid)")

@@ -123,7 +123,9 @@ def run_frontier(
     groups = list(dict.fromkeys((block, seed) for block, _, seed in config.learners()))
     for block, seed in groups:
         specs = [
-            LearnerSpec(arch, block, k, config.width_multiplier, lr=config.lr_of(arch))
+            LearnerSpec(
+                arch, block, k, config.width_multiplier, lr=config.lr_of(arch), init=_init(arch, config)
+            )
             for b, k, s in config.learners()
             if (b, s) == (block, seed)
             for arch in config.archs
@@ -141,7 +143,9 @@ def run_frontier(
             cache, blocks=[block], expect={"model_name": loadable_name(model)}, max_shards=n_shards
         )
         train_config = config.train_config(seed)
-        trainer = Trainer(specs, source, train_config, folder, progress=progress, data_info=text_info)
+        trainer = Trainer(
+            specs, source, train_config, folder, model=model, progress=progress, data_info=text_info
+        )
         train_metrics = trainer.fit(resume=True)
         layers = {name: layer.eval() for name, layer in trainer.trained_layers().items()}
         for layer in layers.values():
@@ -170,6 +174,7 @@ def run_frontier(
                 label=arch_label(spec.method),
                 seed=seed,
                 width_multiplier=spec.width_multiplier,
+                init=spec.init,
                 train_tokens=trainer.tokens_seen,
                 epochs=trainer.tokens_seen / trainer.epoch_tokens if trainer.epoch_tokens else None,
                 train_fvu=train_metrics[row["name"]]["fvu"],
@@ -477,3 +482,12 @@ def report(model: Any, options: ReportOptions, out: Path) -> StudyResult:
     return StudyResult(
         name="summary", figures=figures, pages={"summary.md": text + "\n"}, text=text, value=summary
     )
+
+
+def _init(arch: str, config: Any) -> str:
+    """The learner's start: the study's ``init`` for an architecture that takes the host MLP's weights."""
+    from mxd_lens.layers import get_architecture, parse_arch
+
+    if config.init == "mlp" and get_architecture(parse_arch(arch)[0]).copies_host_mlp:
+        return "mlp"
+    return "default"
