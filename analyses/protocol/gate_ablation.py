@@ -34,8 +34,5 @@ for folder in folders:
         const = zD * mixture.mean(0) + layer.b_dec
         dense = zD + layer.b_dec
         var = (y - y.mean(0)).pow(2).sum()
-
-        def fvu(pred):
-            return float((y - pred).pow(2).sum() / var)
-
-        print(f"{folder.name:<60} {fvu(full):8.4f} {fvu(const):22.4f} {fvu(dense):31.4f}")
+        fvu = [float((y - pred).pow(2).sum() / var) for pred in (full, const, dense)]
+        print(f"{folder.name:<60} {fvu[0]:8.4f} {fvu[1]:22.4f} {fvu[2]:31.4f}")
