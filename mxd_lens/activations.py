@@ -803,6 +803,42 @@ class CachedActivations:
 Window = tuple[int, Shard]  # (stream offset of the window's first token, its permuted tokens)
 
 
+def open_stream(
+    config: StreamConfig,
+    cache: str | Path | None = None,
+    blocks: Sequence[int] | None = None,
+    shuffle: str = "global",
+) -> tuple[ModelActivations | CachedActivations, Any]:
+    """The activations a run trains on, and the host model where one is asked for: the cache at
+    ``cache`` (``config.model``, if given, must be the model the cache was made with: it is loaded only
+    for what needs the weights, e.g. ``init="mlp"``), or ``config.model`` run live over ``config.text``.
+    Returns ``(source, model)``, model None for a cache read without one. The one place where a cache,
+    a model and a stream are checked to agree; each refusal names what to give instead."""
+    from mxd_lens.models import is_named, load_host, model_identity, model_source
+
+    if cache is None:
+        if not (config.model and config.text):
+            raise ValueError("give --cache DIR, or --model and --text to stream from the model")
+        model = load_host(config)
+        return ModelActivations.from_config(model, blocks or [], config), model
+    source = CachedActivations(cache, blocks=blocks, shuffle=shuffle)
+    if not config.model:
+        return source, None
+    model = load_host(config)
+    cached, loaded = source.model_source or {}, model_source(model)
+    if "kind" in cached and model_identity(cached) != model_identity(loaded):
+        raise ValueError(
+            f"--model {config.model} is {model_identity(loaded)}, but the cache {cache} was made with "
+            f"{model_identity(cached)}; give the cache's model or leave --model out"
+        )
+    if not is_named(model, source.info.model_name):
+        raise ValueError(
+            f"--model {config.model} is {model.cfg.model_name!r}, but the cache {cache} was made with "
+            f"{source.info.model_name!r}; give the cache's model or leave --model out"
+        )
+    return source, model
+
+
 def _permuted(shard: Shard, generator: torch.Generator) -> Shard:
     n = next(iter(shard.values()))[0].shape[0]
     order = torch.randperm(n, generator=generator)

@@ -14,16 +14,15 @@ from typing import Any, Literal
 from mxd_lens.allocator import keep_freed_memory
 from mxd_lens.config import (
     DEFAULT_MODEL,
-    RECOMMENDED_MXD,
     WIDTH_MULTIPLIER,
     ExportConfig,
     PublishConfig,
     StreamConfig,
-    TrainConfig,
+    TrainRun,
 )
 
 # Each subcommand's options are the fields of a dataclass (docstrings as help, defaults stated once):
-# the stream (StreamConfig), the training recipe (TrainConfig), and the command's own below.
+# `train` reads one nested run config (config.TrainRun); the other commands' own options are below.
 
 
 @dataclass
@@ -94,54 +93,6 @@ class CacheCommand:
     damaged; with --shards, also that it holds that many)"""
     cache_dtype: Literal["float32", "bfloat16", "float16"] | None = None
     """storage dtype (default: the model's --dtype, float32 unless given)"""
-
-
-@dataclass
-class TrainCommand:
-    """Options of `mxd-lens train` (besides the stream's and the recipe's)."""
-
-    out: str
-    """output folder"""
-    cache: str | None = None
-    """activation cache folder from `mxd-lens cache` (no model needed)"""
-    blocks: list[int] | None = None
-    """transformer blocks to train at (all the cache holds when not given)"""
-    shuffle: Literal["global", "shard"] = "global"
-    """with --cache: permute all of it every epoch (global), or read it shard by shard as a live stream"""
-    arch: list[str] = field(default_factory=lambda: [RECOMMENDED_MXD, "transcoder"])
-    """architectures: keys of mxd_lens.ARCHITECTURES (mxd, transcoder, skip_transcoder, batchtopk_transcoder,
-    any registered), each with config options if wanted: mxd:gate=topk, mxd:balance_rate=0.001,
-    mxd:d_hidden=384; plain 'mxd' is the paper's gate, the default MxD the standardised TopK gate
-    (docs/layers.md)"""
-    k: list[int] = field(default_factory=lambda: [32])
-    """active units per token, one or more"""
-    width_multiplier: list[int] | None = None
-    """transcoder width multiplier(s) m: width m x d_model; MxD gets the matching experts (default: 8, or
-    the smallest m above it at which the MxD still gets d_model experts on a host with a very wide MLP;
-    printed at the start)"""
-    init: Literal["default", "mlp"] = "default"
-    """'mlp': MxD's E and D start as the host MLP's"""
-    resume: bool = False
-    """continue from OUT/checkpoints/latest"""
-    device: str = "cpu"
-    """device for the learners"""
-    no_progress: bool = field(
-        default=False, metadata={"custom_args": {"action": "store_true", "nargs": None}}
-    )
-    """no progress bar (text log lines instead)"""
-
-    def __post_init__(self) -> None:
-        from mxd_lens.layers import ARCHITECTURES, parse_arch
-        from mxd_lens.layers.registry import load_plugins
-
-        if any(parse_arch(a)[0] not in ARCHITECTURES for a in self.arch):
-            load_plugins()
-        unknown = [a for a in self.arch if parse_arch(a)[0] not in ARCHITECTURES]
-        if unknown:
-            raise ValueError(
-                f"--arch {' '.join(unknown)}: not a key of mxd_lens.ARCHITECTURES {list(ARCHITECTURES)} "
-                "(a third-party architecture: `mxd-lens --import MODULE train ...`, or install its plug-in)"
-            )
 
 
 @dataclass
@@ -357,84 +308,17 @@ def _cache(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    import os
-
-    import torch.distributed as dist
-
-    from mxd_lens.activations import CachedActivations, ModelActivations
-    from mxd_lens.training import LearnerSpec, Trainer
-
-    stream_config, config, args = args.stream, args.config, args.train
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if args.device.startswith("cuda") else "gloo")
-    model = None
-    if args.cache:
-        source = CachedActivations(args.cache, blocks=args.blocks, shuffle=args.shuffle)
-        if stream_config.model:  # used (e.g. by --init mlp), so it must be the model the cache was made with
-            from mxd_lens.models import is_named, load_host, model_identity, model_source
-
-            model = load_host(stream_config)
-            cached = source.model_source or {}
-            if "kind" in cached and model_identity(cached) != model_identity(model_source(model)):
-                raise SystemExit(
-                    f"mxd-lens train: --model {stream_config.model} is {model_identity(model_source(model))}, but "
-                    f"the cache {args.cache} was made with {model_identity(cached)}; give the cache's model or "
-                    "leave --model out"
-                )
-            if not is_named(model, source.info.model_name):
-                raise SystemExit(
-                    f"mxd-lens train: --model {stream_config.model} is {model.cfg.model_name!r}, but the cache "
-                    f"{args.cache} was made with {source.info.model_name!r}; give the cache's model or leave --model out"
-                )
-    else:
-        if not (stream_config.model and stream_config.text):
-            raise SystemExit(
-                "mxd-lens train: give --cache DIR, or --model and --text to stream from the model"
-            )
-        from mxd_lens.models import load_host
-
-        model = load_host(stream_config)
-        source = ModelActivations.from_config(model, args.blocks, stream_config)
-    blocks = args.blocks or source.info.blocks
-    specs = [
-        LearnerSpec(arch, block, k, m, init=args.init if arch.partition(":")[0] == "mxd" else "default")
-        for block in blocks
-        for arch in args.arch
-        for k in args.k
-        for m in args.width_multiplier or [None]
-    ]
-    if args.width_multiplier is None:
-        from mxd_lens.training import default_width
-
-        m = default_width(source.info)
-        why = "the default" if m == WIDTH_MULTIPLIER else (
-            f"raised from {WIDTH_MULTIPLIER}: this host's MLP ({source.info.d_hidden} wide"
-            f"{', GLU' if source.info.gated else ''}) would leave a width-{WIDTH_MULTIPLIER} match fewer than "
-            f"d_model = {source.info.d_in} experts"
-        )  # fmt: skip
-        print(f"width multiplier m = {m} ({why}; --width-multiplier sets it)", flush=True)
-    trainer = Trainer(
-        specs,
-        source,
-        config,
-        args.out,
-        model=model,
-        progress=not args.no_progress,
-        device=args.device,
-        data_info=source.text_info,
-    )
     from mxd_lens.loop import RunExists
+    from mxd_lens.training import train
 
     try:
-        metrics = trainer.fit(resume=args.resume)
+        metrics = train(args.run)
     except RunExists as err:
         raise SystemExit(f"mxd-lens train: {err}") from None
-    if trainer.rank == 0:
+    if metrics:  # rank 0 (the others return nothing)
         for name, values in metrics.items():
             print(name, " ".join(f"{key}={value:.4g}" for key, value in values.items()))
-        print(f"weights in {trainer.out_dir / 'final'}")
-    if dist.is_initialized():
-        dist.destroy_process_group()
+        print(f"weights in {args.run.out}/final")
     return 0
 
 
@@ -496,28 +380,6 @@ def _subparser_class() -> type:
     return Subparser
 
 
-def parse_config(description: str | None, argv: list[str] | None = None, **configs: type) -> tuple[Any, ...]:
-    """Parse a script's command line into instances of the dataclasses ``configs`` (name=class, in
-    order): each field is an option (--dash-name, its docstring the help, its default shown), so no
-    script restates a default. The analyses scripts use this; a config that refuses its fields
-    (``__post_init__`` raising ValueError) ends the script with that message."""
-    import simple_parsing
-
-    parser = simple_parsing.ArgumentParser(
-        description=description,
-        formatter_class=_help_formatter(),
-        add_option_string_dash_variants=simple_parsing.DashVariant.DASH,
-        add_config_path_arg=False,
-    )
-    for dest, config in configs.items():
-        parser.add_arguments(config, dest=dest)
-    try:
-        args = parser.parse_args(argv)
-    except ValueError as err:
-        raise SystemExit(f"{parser.prog}: {err}") from err
-    return tuple(getattr(args, dest) for dest in configs)
-
-
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     """The ``mxd-lens`` parser. With ``only`` (a subcommand's name) the other subcommands get no
     options, so ``mxd-lens SUB --help`` builds just what it shows."""
@@ -564,9 +426,9 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
             "train MxD / transcoders / skip transcoders from one activation stream",
             "Train every combination of --arch x --k x --width-multiplier x --blocks from one stream (a cache, or the model "
             "live). Checkpoints go to OUT/checkpoints, final SAELens-format weights to OUT/final/NAME. Runs "
-            "under torchrun too. The training options are the fields of mxd_lens.training.TrainConfig; give "
+            "under torchrun too. The options are the fields of mxd_lens.config.TrainRun (recorded in OUT/run.json); give "
             "--tokens or --epochs.",
-            {"stream": StreamConfig, "train": TrainCommand, "config": TrainConfig, "cpu": CpuOptions},
+            {"run": TrainRun, "cpu": CpuOptions},
             _train,
         ),
         "publish": (

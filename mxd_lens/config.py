@@ -1,5 +1,6 @@
 """The core's configurations, in one light module (no torch import: ``mxd-lens --help`` reads them in
-a moment): the activation stream (``StreamConfig``), the training recipe (``TrainConfig``), publishing and
+a moment): the activation stream (``StreamConfig``), the training recipe (``TrainConfig``), the layers to
+train (``LearnersConfig``) and the whole of one ``mxd-lens train`` run (``TrainRun``), publishing and
 export, and the learning-rate schedule. Each study's options live in its own package
 (``mxd_lens.studies.NAME``). Command lines are generated from their fields (docstrings as help).
 """
@@ -285,3 +286,56 @@ class ExportConfig:
     """output folder"""
     format: Literal["circuit-tracer"] = "circuit-tracer"
     """circuit-tracer: its transcoder-set layout (config.yaml, layer_{block}.safetensors)"""
+
+
+@dataclass
+class LearnersConfig:
+    """Which layers to train: every combination of ``arch`` x ``k`` x ``width_multiplier``, at every block
+    of the run (``mxd_lens.training.learner_specs``)."""
+
+    arch: list[str] = field(default_factory=lambda: [RECOMMENDED_MXD, "transcoder"])
+    """architectures: keys of mxd_lens.ARCHITECTURES (mxd, transcoder, skip_transcoder, batchtopk_transcoder,
+    any registered), each with config options if wanted: mxd:gate=topk, mxd:balance_rate=0.001,
+    mxd:d_hidden=384; plain 'mxd' is the paper's gate, the default MxD the standardised TopK gate
+    (docs/layers.md)"""
+    k: list[int] = field(default_factory=lambda: [32])
+    """active units per token, one or more"""
+    width_multiplier: list[int] | None = None
+    """transcoder width multiplier(s) m: width m x d_model; MxD gets the matching experts (default: 8, or
+    the smallest m above it at which the MxD still gets d_model experts on a host with a very wide MLP;
+    printed at the start)"""
+    init: Literal["default", "mlp"] = "default"
+    """'mlp': MxD's E and D start as the host MLP's"""
+
+    def __post_init__(self) -> None:
+        if self.init not in ("default", "mlp"):
+            raise ValueError(f"--init {self.init}: choose 'default' or 'mlp'")
+
+
+@dataclass
+class TrainRun:
+    """One ``mxd-lens train`` run, whole: where its activations come from (``stream``, or ``cache``), what
+    it trains (``learners``), how (``train``), and where it writes. ``mxd_lens.training.train(run)`` runs
+    it and records it as one JSON object, OUT/run.json."""
+
+    out: str
+    """output folder"""
+    train: TrainConfig
+    stream: StreamConfig = field(default_factory=StreamConfig)
+    learners: LearnersConfig = field(default_factory=LearnersConfig)
+    cache: str | None = None
+    """activation cache folder from `mxd-lens cache` (no model needed)"""
+    blocks: list[int] | None = None
+    """transformer blocks to train at (all the cache holds when not given)"""
+    shuffle: Literal["global", "shard"] = "global"
+    """with --cache: permute all of it every epoch (global), or read it shard by shard as a live stream"""
+    resume: bool = False
+    """continue from OUT/checkpoints/latest"""
+    device: str = "cpu"
+    """device for the learners"""
+    no_progress: bool = field(default=False, metadata={"custom_args": {
+        "action": "store_true", "nargs": None, "help": "no progress bar (text log lines instead)"}})  # fmt: skip
+
+    def __post_init__(self) -> None:
+        if self.cache is None and not (self.stream.model and self.stream.text):
+            raise ValueError("give --cache DIR, or --model and --text to stream from the model")

@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -98,188 +99,390 @@ def evaluate(
     A layer may also be any SAELens ``SAE`` that replaces an MLP (a transcoder loaded with
     ``SAE.from_pretrained`` / ``SAE.load_from_disk``; ``mxd_lens.foreign``): see the module docstring.
     """
+    reps = _replacements(model, layers, together)
+    plan = _Plan.of(model, reps, skip_first_position, skip_positions)
+    spliced = _Spliced(model, plan.blocks, plan.first)
+    moments = _OutputMoments(plan.targets, plan.skip)
+    parts = _layer_parts(model, reps, jacobian_tokens, jacobian_directions)
+    for tokens in tqdm(batches, desc="evaluating", unit="batch", disable=not progress):
+        with torch.inference_mode():
+            batch = _clean_pass(model, tokens, plan, spliced.scorer)
+            spliced.clean(batch)
+            moments.update(batch.io)
+            for name, rep in reps.items():
+                run = _LayerRun.of(rep, batch.io, plan.skip)  # computed once, read by every part
+                spliced.splice(name, run, batch)
+                for part in parts[name]:
+                    part.update(run)
+            if baselines:
+                spliced.zero_ablation(batch)
+            if together:
+                spliced.together([rep.layer for rep in reps.values()], batch)
+    if spliced.n_pred == 0:
+        raise ValueError("evaluate got no token batches")
+    if baselines:  # from the kept residuals, now that the mean is known
+        spliced.mean_ablation({block: moments.mean(block) for block in plan.blocks})
+    rows = [_layer_row(name, rep, spliced, moments, parts[name], baselines) for name, rep in reps.items()]
+    if together:
+        row = _identity("together", None, ",".join(map(str, plan.blocks)), None, list(reps))
+        rows.append({**row, **spliced.columns("together", plan.blocks, baselines)})
+    for row in rows:
+        row["skip_positions"] = plan.first
+    return rows
+
+
+def _replacements(model: Any, layers: Any, together: bool) -> dict[str, Any]:
+    """The layers to evaluate by name (``hooks.replacement`` of each: its default name unless ``layers``
+    names it), each checked against ``model``."""
     if isinstance(layers, Mapping):
-        named = dict(layers)
-        reps = {name: hooks.replacement(layer) for name, layer in named.items()}
+        reps = {name: hooks.replacement(layer) for name, layer in layers.items()}
     else:
         reps = {(rep := hooks.replacement(layer)).default_name: rep for layer in layers}
-        named = {name: rep.layer for name, rep in reps.items()}
-    if not named:
+    if not reps:
         raise ValueError("evaluate needs at least one layer")
-    index = {name: rep.block for name, rep in reps.items()}
     for name, rep in reps.items():
         where = getattr(rep.layer, "mxd_lens_folder", None) or name  # its folder, when loaded from one
         check_finite(rep.layer, where)  # NaN weights would give NaN or absurd metrics
         _warn_if_untrained(rep.layer, where)
-        hooks.check_block(model, index[name])
+        hooks.check_block(model, rep.block)
         hooks.check_model_name(model, rep)
-        rep.check_fits(model, index[name])
-    if together and len(set(index.values())) != len(index):
+        rep.check_fits(model, rep.block)
+    if together and len({rep.block for rep in reps.values()}) != len(reps):
         raise ValueError("together=True splices all layers at once, so each must replace a different block")
-    blocks = sorted(set(index.values()))
-    resid_blocks = sorted({rep.block for rep in reps.values() if rep.reads == "resid"})
-    module_blocks = sorted({rep.block for rep in reps.values() if rep.writes == "mlp"})
-    # (block, capture key) of every FVU target; hook_mlp_out's ("out") also gives mean-ablation's mean
-    fvu_targets = sorted(
-        {(b, "out") for b in blocks} | {(r.block, hooks.output_key(r.writes)) for r in reps.values()}
-    )
-    if isinstance(skip_positions, bool) or not isinstance(skip_positions, int) or skip_positions < 0:
-        raise ValueError(f"skip_positions={skip_positions!r}: give a number of positions, 0 or more")
-    first = skip_positions
-    skip = max(
-        int(model.cfg.default_prepend_bos if skip_first_position is None else skip_first_position), first
-    )
-    resid_names = [f"blocks.{b}.hook_resid_pre" for b in blocks]
+    return reps
 
-    sums: dict[str, float] = {}
-    firing = {name: FiringTracker(layer.cfg.d_sae) for name, layer in named.items()}
-    usage = {name: torch.zeros(layer.cfg.d_sae, dtype=torch.long) for name, layer in named.items()}
-    jacobian: dict[str, list[torch.Tensor]] = {name: [] for name in named}
-    per_batch: dict[str, list[tuple[float, float]]] = {name: [] for name in named}  # (ΔCE, KL) per batch
+
+def _layer_parts(model: Any, reps: Mapping[str, Any], jacobian_tokens: int, directions: int | None):
+    """Each layer's parts, fed its runs (:class:`_LayerRun`): (reconstruction, usage, Jacobian cosine).
+    One generator draws the Jacobian's random directions for all layers in turn."""
     generator = torch.Generator().manual_seed(0)
-    y_sum: dict[tuple[int, str], torch.Tensor] = {}  # Σ y and Σ ||y||² per target (float64), FVU's variance
-    y_sq: dict[tuple[int, str], float] = {}
-    kept: list[tuple[dict[int, torch.Tensor], torch.Tensor]] = []  # residuals for the mean-ablation pass
-    scorer = _VocabScorer()
-    n_pred = n_tokens = 0
-    for tokens in tqdm(batches, desc="evaluating", unit="batch", disable=not progress):
-        if tokens.shape[1] - 1 <= first:
-            raise ValueError(
-                f"skip_positions={first} leaves no prediction in rows of {tokens.shape[1]} tokens: "
-                "skip fewer positions or evaluate longer rows"
+    return {
+        name: (
+            _Reconstruction(),
+            _Usage(rep.layer.cfg.d_sae),
+            _JacobianCos(model, jacobian_tokens, directions, generator),
+        )
+        for name, rep in reps.items()
+    }
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What the clean forward records: the replaced ``blocks``, those whose layer reads the residual
+    before ln2 (``resid``) or writes the MLP module's output (``module_out``), and the FVU ``targets``,
+    (block, capture key) of what each layer replaces plus every block's ``hook_mlp_out`` ("out": also
+    mean-ablation's mean); CE and KL count the predictions at positions ``first``.., FVU and the usage
+    the activations at positions ``skip``.. (``first``, and at least 1 where the model prepends BOS)."""
+
+    blocks: list[int]
+    resid: list[int]
+    module_out: list[int]
+    targets: list[tuple[int, str]]
+    first: int
+    skip: int
+
+    @classmethod
+    def of(cls, model: Any, reps: Mapping[str, Any], skip_first_position: bool | None, first: int) -> _Plan:
+        blocks = sorted({rep.block for rep in reps.values()})
+        targets = {(b, "out") for b in blocks} | {
+            (r.block, hooks.output_key(r.writes)) for r in reps.values()
+        }
+        if isinstance(first, bool) or not isinstance(first, int) or first < 0:
+            raise ValueError(f"skip_positions={first!r}: give a number of positions, 0 or more")
+        bos = model.cfg.default_prepend_bos if skip_first_position is None else skip_first_position
+        return cls(
+            blocks=blocks,
+            resid=hooks.resid_blocks(list(reps.values())),
+            module_out=sorted({rep.block for rep in reps.values() if rep.writes == "mlp"}),
+            targets=sorted(targets),
+            first=first,
+            skip=max(int(bos), first),
+        )
+
+
+@dataclass
+class _Batch:
+    """One held-out batch after its clean forward: ``io``, ``hooks.capture_mlp_io``'s record of each
+    replaced block; ``resid``, the residual stream entering each; ``target``, the tokens predicted at
+    positions ``first``..; ``clean``, the clean logits there and their log-normaliser (what KL needs)."""
+
+    io: dict[int, dict[str, torch.Tensor]]
+    resid: dict[int, torch.Tensor]
+    target: torch.Tensor
+    clean: tuple[torch.Tensor, torch.Tensor]
+
+
+def _clean_pass(model: Any, tokens: torch.Tensor, plan: _Plan, scorer: _VocabScorer) -> _Batch:
+    """The clean forward of one batch, recording what every part reads (:class:`_Batch`)."""
+    first = plan.first
+    if tokens.shape[1] - 1 <= first:
+        raise ValueError(
+            f"skip_positions={first} leaves no prediction in rows of {tokens.shape[1]} tokens: "
+            "skip fewer positions or evaluate longer rows"
+        )
+    names = {hooks.resid_pre_hook(b): b for b in plan.blocks}
+    with hooks.capture_mlp_io(model, plan.blocks, resid=plan.resid, module_out=plan.module_out) as io:
+        logits, cache = model.run_with_cache(tokens, names_filter=list(names))
+    clean = logits[:, first:-1]
+    return _Batch(
+        io=io,
+        resid={b: cache[name] for name, b in names.items()},
+        target=tokens[:, first + 1 :].to(logits.device),
+        clean=(clean, scorer.log_normaliser(clean)),
+    )
+
+
+@dataclass
+class _LayerRun:
+    """One layer (``rep``: ``hooks.replacement``) on one batch's clean input: ``x``, what it reads; ``y``,
+    what it replaces; ``out`` (in ``y``'s dtype), ``values`` and ``indices``, its output and codes. All
+    [batch, positions, ...]; :meth:`kept` gives them at the positions counted (``skip``..)."""
+
+    rep: Any
+    x: torch.Tensor
+    y: torch.Tensor
+    out: torch.Tensor
+    values: torch.Tensor
+    indices: torch.Tensor
+    skip: int
+
+    @classmethod
+    def of(cls, rep: Any, io: dict[int, dict[str, torch.Tensor]], skip: int) -> _LayerRun:
+        x = hooks.layer_input(io, rep)
+        y = io[rep.block][hooks.output_key(rep.writes)]
+        out, values, indices = rep.forward_sparse(x)
+        return cls(rep, x, y, out.to(y.dtype), values, indices, skip)
+
+    @property
+    def block(self) -> int:
+        return self.rep.block
+
+    def kept(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(x, y, out, values, indices) at positions ``skip``.."""
+        s = self.skip
+        return self.x[:, s:], self.y[:, s:], self.out[:, s:], self.values[:, s:], self.indices[:, s:]
+
+
+class _Spliced:
+    """The next-token CE of the clean model and of each variant run from its block on (a layer spliced
+    alone, a block's ``hook_mlp_out`` zero- or mean-ablated, all layers together), KL(clean ‖ variant),
+    and each layer's per-batch ΔCE and KL (their standard errors), over the predictions at positions
+    ``first``.. Variants are labelled "splice:NAME", "zero:BLOCK", "mean:BLOCK", "together"."""
+
+    def __init__(self, model: Any, blocks: Sequence[int], first: int):
+        self.model, self.blocks, self.first = model, list(blocks), first
+        self.scorer = _VocabScorer()
+        self.ce: dict[str, float] = {}  # Σ CE per label ("clean" too)
+        self.kl: dict[str, float] = {}  # Σ KL(clean ‖ variant) per label
+        self.per_batch: dict[str, list[tuple[float, float]]] = {}  # layer name -> (ΔCE, KL) per batch
+        self.kept: list[tuple[dict[int, torch.Tensor], torch.Tensor]] = []  # for the mean-ablation pass
+        self.n_pred = 0
+        self._clean_sum = 0.0  # this batch's clean CE
+
+    def clean(self, batch: _Batch) -> None:
+        self.n_pred += batch.target.numel()
+        self._clean_sum = self.scorer.ce(batch.clean[0], batch.target, batch.clean[1])
+        _add(self.ce, "clean", self._clean_sum)
+
+    def score(
+        self,
+        label: str,
+        logits: torch.Tensor,
+        target: torch.Tensor,
+        clean: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> tuple[float, float]:
+        """Add a variant's CE (and, given the clean (logits, log-normaliser), its KL) over the predictions
+        at positions ``first``..; return this batch's (CE sum, KL sum)."""
+        ce, kl = self.scorer.ce_kl(logits[:, self.first : -1], target, clean)
+        _add(self.ce, label, ce)
+        if clean is not None:
+            _add(self.kl, label, kl)
+        return ce, kl
+
+    def splice(self, name: str, run: _LayerRun, batch: _Batch) -> None:
+        logits = _run_from(self.model, batch.resid, run.block, {run.block: run.out}, run.rep.writes)
+        ce, kl = self.score(f"splice:{name}", logits, batch.target, batch.clean)
+        n = batch.target.numel()
+        self.per_batch.setdefault(name, []).append(((ce - self._clean_sum) / n, kl / n))
+
+    def zero_ablation(self, batch: _Batch) -> None:
+        """Each block's ``hook_mlp_out`` zeroed; keeps the batch's residuals for :meth:`mean_ablation`."""
+        self.kept.append(({b: r.cpu() for b, r in batch.resid.items()}, batch.target.cpu()))
+        for block in self.blocks:
+            zero = torch.zeros_like(batch.io[block]["out"])
+            self.score(
+                f"zero:{block}", _run_from(self.model, batch.resid, block, {block: zero}), batch.target
             )
-        with torch.inference_mode():
-            with hooks.capture_mlp_io(model, blocks, resid=resid_blocks, module_out=module_blocks) as io:
-                logits, cache = model.run_with_cache(tokens, names_filter=resid_names)
-            resid = {b: cache[f"blocks.{b}.hook_resid_pre"] for b in blocks}
-            target = tokens[:, first + 1 :].to(logits.device)
-            n_pred += target.numel()
-            # the clean logits and their per-token log-normaliser: all every variant's KL needs of them
-            clean = (logits[:, first:-1], scorer.log_normaliser(logits[:, first:-1]))
-            clean_sum = scorer.ce(clean[0], target, clean[1])
-            _add(sums, "ce_clean", clean_sum)
-            if baselines:
-                kept.append(({b: r.cpu() for b, r in resid.items()}, target.cpu()))
-            for target_at in fvu_targets:
-                block, key = target_at
-                y = io[block][key][:, skip:].double()
-                y_sum[target_at] = y_sum.get(target_at, 0) + y.sum((0, 1))
-                y_sq[target_at] = y_sq.get(target_at, 0.0) + float(y.pow(2).sum())
-            n_tokens += io[blocks[0]]["out"][:, skip:].shape[:2].numel()
 
-            for name, layer in named.items():
-                block, rep = index[name], reps[name]
-                x = io[block]["resid" if rep.reads == "resid" else "in"]
-                y = io[block][hooks.output_key(rep.writes)]  # what the layer replaces
-                out, values, idx = rep.forward_sparse(x)
-                out = out.to(y.dtype)
-                ce_sum, kl_sum = _score(
-                    sums,
-                    f"splice:{name}",
-                    _run_from(model, resid, block, {block: out}, rep.writes),
-                    target,
-                    scorer,
-                    clean,
-                    first,
-                )
-                per_batch[name].append(((ce_sum - clean_sum) / target.numel(), kl_sum / target.numel()))
-                out, values, idx = out[:, skip:], values[:, skip:], idx[:, skip:]
-                x_kept, y_kept = x[:, skip:], y[:, skip:]
-                _add(sums, f"sse:{name}", float((out - y_kept).double().pow(2).sum()))
-                active = values != 0
-                _add(sums, f"l0:{name}", float(active.sum()))
-                _add(sums, f"l0_positive:{name}", float((values > 0).sum()))
-                _add(sums, f"tokens:{name}", float(values.shape[0] * values.shape[1]))
-                _add(sums, f"effective:{name}", float(_effective_units(values).sum()))
-                top = values.abs().argmax(-1, keepdim=True)
-                top1 = rep.output_from_codes(x_kept, values.gather(-1, top), idx.gather(-1, top))
-                if top1 is not None:  # None: a layer from elsewhere whose output is not decode + skip
-                    _add(sums, f"sse_top1:{name}", float((top1.to(y.dtype) - y_kept).double().pow(2).sum()))
-                usage[name] += torch.bincount(idx[active].reshape(-1).cpu(), minlength=layer.cfg.d_sae)
-                firing[name].update(values.cpu(), idx.cpu())
-                done = sum(t.numel() for t in jacobian[name])
-                if done < jacobian_tokens:
-                    xs = x_kept.reshape(-1, x.shape[-1])[: jacobian_tokens - done]
-                    jacobian[name].append(_jacobian(model, rep, block, xs, jacobian_directions, generator))
-            if baselines:
-                for block in blocks:
-                    zero = torch.zeros_like(io[block]["out"])
-                    _score(
-                        sums,
-                        f"zero:{block}",
-                        _run_from(model, resid, block, {block: zero}),
-                        target,
-                        scorer,
-                        None,
-                        first,
-                    )
-            if together:
-                with hooks.splice(model, *named.values()):
-                    _score(
-                        sums,
-                        "together:None",
-                        model(resid[blocks[0]], start_at_layer=blocks[0]),
-                        target,
-                        scorer,
-                        clean,
-                        first,
-                    )
-    if n_pred == 0:
-        raise ValueError("evaluate got no token batches")
+    def together(self, layers: Sequence[Any], batch: _Batch) -> None:
+        start = self.blocks[0]
+        with hooks.splice(self.model, *layers):
+            logits = self.model(batch.resid[start], start_at_layer=start)
+        self.score("together", logits, batch.target, batch.clean)
 
-    means = {block: (y_sum[block, "out"] / n_tokens).float() for block in blocks}
-    if baselines:  # mean-ablation, from the kept residuals, now that the mean is known
+    def mean_ablation(self, means: Mapping[int, torch.Tensor]) -> None:
+        """Each block's ``hook_mlp_out`` set to its mean over the held-out tokens, from the kept residuals."""
         with torch.inference_mode():
-            for resid, target in kept:
-                for block in blocks:
-                    r = resid[block].to(model.cfg.device)
+            for resid, target in self.kept:
+                for block in self.blocks:
+                    r = resid[block].to(self.model.cfg.device)
                     mean = means[block].to(r.dtype).expand_as(r)
-                    logits = _run_from(model, {block: r}, block, {block: mean})[:, first:-1]
-                    _add(sums, f"ce:mean:{block}", scorer.ce(logits, target.to(logits.device)))
+                    logits = _run_from(self.model, {block: r}, block, {block: mean})[:, self.first : -1]
+                    _add(self.ce, f"mean:{block}", self.scorer.ce(logits, target.to(logits.device)))
 
-    ce_clean = sums["ce_clean"] / n_pred
-    rows = []
-    for name, layer in named.items():
-        block = index[name]
-        at = (block, hooks.output_key(reps[name].writes))
-        sst = y_sq[at] - n_tokens * float(y_sum[at].pow(2).sum()) / n_tokens**2  # Σ||y - ȳ||²
-        row = _row(
-            name, layer, block, sums, n_pred, ce_clean, f"splice:{name}", [block], baselines, k=reps[name].k
-        )
-        n = sums[f"tokens:{name}"]
-        train_metrics = TrainingRecord.of(layer).metrics or {}
-        row.update(
-            fvu=sums[f"sse:{name}"] / max(sst, 1e-12),
-            l0=sums[f"l0:{name}"] / n,
-            l0_positive=sums[f"l0_positive:{name}"] / n,
-            always_on=int((usage[name] > 0.5 * n).sum()),
-            effective_units=sums[f"effective:{name}"] / n,
-            top1_fvu=sums.get(f"sse_top1:{name}", float("nan")) / max(sst, 1e-12),
-            dead_fraction=firing[name].dead_fraction(),  # silent on these tokens (mxd_lens.firing)
-            train_dead_fraction=train_metrics.get("dead_fraction"),
-            jacobian_cos=float(torch.cat(jacobian[name]).mean()) if jacobian[name] else None,
-            **_standard_errors(per_batch[name]),
-        )
-        row["explained_variance"] = 1 - row["fvu"]
-        rows.append(row)
-    if together:
-        rows.append(
-            _row(
-                "together",
-                None,
-                None,
-                sums,
-                n_pred,
-                ce_clean,
-                "together:None",
-                blocks,
-                baselines,
-                list(named),
-            )
-        )
-    for row in rows:
-        row["skip_positions"] = first
-    return rows
+    def columns(self, label: str, blocks: Sequence[int], baselines: bool) -> dict[str, Any]:
+        """A variant's CE columns; for a variant of one block with ``baselines``, its ablations' too."""
+        ce_clean, ce = self.ce["clean"] / self.n_pred, self.ce[label] / self.n_pred
+        row = {"ce_clean": ce_clean, "ce_spliced": ce, "delta_ce": ce - ce_clean,
+               "kl": self.kl[label] / self.n_pred, "tokens": self.n_pred}  # fmt: skip
+        if len(blocks) == 1 and baselines:
+            for kind in ("zero", "mean"):
+                ablated = self.ce[f"{kind}:{blocks[0]}"] / self.n_pred
+                row[f"ce_{kind}_ablation"] = ablated
+                row[f"ce_recovered_{kind}"] = (
+                    (ablated - ce) / (ablated - ce_clean) if ablated != ce_clean else float("nan")
+                )
+        return row
+
+    def standard_errors(self, name: str) -> dict[str, float]:
+        return _standard_errors(self.per_batch[name])
+
+
+class _OutputMoments:
+    """Σ y and Σ‖y‖² (float64) over the counted tokens of each target (block, capture key): FVU's
+    total sum of squares Σ‖y − ȳ‖², and the mean of ``hook_mlp_out`` ("out") for mean-ablation."""
+
+    def __init__(self, targets: Sequence[tuple[int, str]], skip: int):
+        self.targets, self.skip = list(targets), skip
+        self.sum: dict[tuple[int, str], torch.Tensor] = {}
+        self.sq: dict[tuple[int, str], float] = {}
+        self.n = 0  # tokens counted per target
+
+    def update(self, io: dict[int, dict[str, torch.Tensor]]) -> None:
+        for at in self.targets:
+            block, key = at
+            y = io[block][key][:, self.skip :].double()
+            self.sum[at] = self.sum.get(at, 0) + y.sum((0, 1))
+            self.sq[at] = self.sq.get(at, 0.0) + float(y.pow(2).sum())
+        self.n += y.shape[:2].numel()
+
+    def mean(self, block: int) -> torch.Tensor:
+        return (self.sum[block, "out"] / self.n).float()
+
+    def sst(self, at: tuple[int, str]) -> float:
+        """Σ‖y − ȳ‖² of target ``at``."""
+        return self.sq[at] - self.n * float(self.sum[at].pow(2).sum()) / self.n**2
+
+
+class _Reconstruction:
+    """A layer's squared error against what it replaces, Σ‖ŷ − y‖², of its output and of the output
+    rebuilt from each token's largest |code| alone (top-1; NaN for a layer that cannot rebuild it)."""
+
+    def __init__(self) -> None:
+        self.sse = 0.0
+        self.sse_top1: float | None = None
+
+    def update(self, run: _LayerRun) -> None:
+        x, y, out, values, indices = run.kept()
+        self.sse += float((out - y).double().pow(2).sum())
+        top = values.abs().argmax(-1, keepdim=True)
+        top1 = run.rep.output_from_codes(x, values.gather(-1, top), indices.gather(-1, top))
+        if top1 is not None:  # None: a layer from elsewhere whose output is not decode + skip
+            sse = float((top1.to(y.dtype) - y).double().pow(2).sum())
+            self.sse_top1 = (0.0 if self.sse_top1 is None else self.sse_top1) + sse
+
+    def result(self, sst: float) -> dict[str, float]:
+        """FVU, top-1 FVU and explained variance given the target's Σ‖y − ȳ‖²."""
+        fvu = self.sse / max(sst, 1e-12)
+        top1 = float("nan") if self.sse_top1 is None else self.sse_top1
+        return {"fvu": fvu, "top1_fvu": top1 / max(sst, 1e-12), "explained_variance": 1 - fvu}
+
+
+class _Usage:
+    """How a layer's units are used on the counted tokens (see the module docstring): ``l0`` and
+    ``l0_positive`` per token, ``effective_units``, ``always_on`` (active on more than half the tokens),
+    ``dead_fraction`` (never active: ``mxd_lens.firing``)."""
+
+    def __init__(self, d_sae: int):
+        self.l0 = self.l0_positive = self.effective = self.tokens = 0.0
+        self.active = torch.zeros(d_sae, dtype=torch.long)  # tokens each unit is active on
+        self.firing = FiringTracker(d_sae)
+
+    def update(self, run: _LayerRun) -> None:
+        values, indices = run.kept()[3:]
+        active = values != 0
+        self.l0 += float(active.sum())
+        self.l0_positive += float((values > 0).sum())
+        self.tokens += float(values.shape[0] * values.shape[1])
+        self.effective += float(_effective_units(values).sum())
+        self.active += torch.bincount(indices[active].reshape(-1).cpu(), minlength=self.active.numel())
+        self.firing.update(values.cpu(), indices.cpu())
+
+    def result(self) -> dict[str, Any]:
+        n = self.tokens
+        return {
+            "l0": self.l0 / n,
+            "l0_positive": self.l0_positive / n,
+            "always_on": int((self.active > 0.5 * n).sum()),
+            "effective_units": self.effective / n,
+            "dead_fraction": self.firing.dead_fraction(),  # silent on these tokens (mxd_lens.firing)
+        }
+
+
+class _JacobianCos:
+    """The mean cosine of a layer's input→output Jacobian with its block's (:func:`_jacobian`) over the
+    first ``tokens`` counted tokens; ``directions`` random ones per token from ``generator`` (None: exact)."""
+
+    def __init__(self, model: Any, tokens: int, directions: int | None, generator: torch.Generator):
+        self.model, self.tokens, self.directions, self.generator = model, tokens, directions, generator
+        self.cos: list[torch.Tensor] = []
+
+    def update(self, run: _LayerRun) -> None:
+        done = sum(t.numel() for t in self.cos)
+        if done < self.tokens:
+            x = run.kept()[0]
+            xs = x.reshape(-1, x.shape[-1])[: self.tokens - done]
+            self.cos.append(_jacobian(self.model, run.rep, run.block, xs, self.directions, self.generator))
+
+    def result(self) -> dict[str, float | None]:
+        return {"jacobian_cos": float(torch.cat(self.cos).mean()) if self.cos else None}
+
+
+_COLUMNS = ("name", "architecture", "block", "k", "d_sae", "params", "ce_clean", "ce_spliced", "delta_ce", "kl",
+            "tokens", "ce_zero_ablation", "ce_recovered_zero", "ce_mean_ablation", "ce_recovered_mean", "fvu",
+            "l0", "l0_positive", "always_on", "effective_units", "top1_fvu", "dead_fraction",
+            "train_dead_fraction", "jacobian_cos", "delta_ce_se", "kl_se", "explained_variance")  # fmt: skip
+"""A layer's row, in order (``skip_positions`` follows)."""
+
+
+def _layer_row(name: str, rep: Any, spliced: _Spliced, moments: _OutputMoments, parts, baselines: bool):
+    """A layer's row: what it is, then every part's columns (in the order of :data:`_COLUMNS`)."""
+    reconstruction, usage, jacobian = parts
+    sst = moments.sst((rep.block, hooks.output_key(rep.writes)))
+    train_metrics = TrainingRecord.of(rep.layer).metrics or {}
+    columns = {
+        **_identity(name, rep.layer, rep.block, rep.k),
+        **spliced.columns(f"splice:{name}", [rep.block], baselines),
+        **reconstruction.result(sst),
+        **usage.result(),
+        "train_dead_fraction": train_metrics.get("dead_fraction"),
+        **jacobian.result(),
+        **spliced.standard_errors(name),
+    }
+    return {key: columns[key] for key in _COLUMNS if key in columns}
+
+
+def _identity(name: str, layer: Any, block: Any, k: int | None, names: Sequence[str] = ()) -> dict[str, Any]:
+    """A row's first columns: its name, the layer's architecture (for all layers together: their names
+    joined by '+'), block, k, width and parameter count (None together)."""
+    return {
+        "name": name,
+        "architecture": layer.cfg.architecture() if layer is not None else "+".join(names),
+        "block": block,
+        "k": k,
+        "d_sae": layer.cfg.d_sae if layer is not None else None,
+        "params": sum(p.numel() for p in layer.parameters()) if layer is not None else None,
+    }
 
 
 def _warn_if_untrained(layer: Any, where: Any) -> None:
@@ -291,54 +494,8 @@ def _warn_if_untrained(layer: Any, where: Any) -> None:
         warnings.warn(
             f"{where}: its BatchTopK threshold is 0, as before any training step, so every positive "
             "pre-activation fires (a plain ReLU, L0 far above K): it is evaluated as an untrained layer",
-            stacklevel=3,
+            stacklevel=4,
         )
-
-
-def _row(
-    name, layer, block, sums, n_pred, ce_clean, label, blocks, baselines, names=None, k=None
-) -> dict[str, Any]:
-    ce = sums[f"ce:{label}"] / n_pred
-    row: dict[str, Any] = {
-        "name": name,
-        "architecture": layer.cfg.architecture() if layer is not None else "+".join(names or []),
-        "block": block if block is not None else ",".join(map(str, blocks)),
-        "k": k,
-        "d_sae": layer.cfg.d_sae if layer is not None else None,
-        "params": sum(p.numel() for p in layer.parameters()) if layer is not None else None,
-        "ce_clean": ce_clean,
-        "ce_spliced": ce,
-        "delta_ce": ce - ce_clean,
-        "kl": sums[f"kl:{label}"] / n_pred,
-        "tokens": n_pred,
-    }
-    if len(blocks) == 1 and baselines:
-        for kind in ("zero", "mean"):
-            ablated = sums[f"ce:{kind}:{blocks[0]}"] / n_pred
-            row[f"ce_{kind}_ablation"] = ablated
-            row[f"ce_recovered_{kind}"] = (
-                (ablated - ce) / (ablated - ce_clean) if ablated != ce_clean else float("nan")
-            )
-    return row
-
-
-def _score(
-    sums,
-    label: str,
-    logits: torch.Tensor,
-    target: torch.Tensor,
-    scorer: _VocabScorer,
-    clean: tuple[torch.Tensor, torch.Tensor] | None = None,
-    first: int = 0,
-) -> tuple[float, float]:
-    """Add a variant's CE (and, given the clean (logits, log-normaliser), its KL from the clean model)
-    to ``sums``, over the predictions made at positions ``first`` and later; return this batch's (CE sum,
-    KL sum)."""
-    ce, kl = scorer.ce_kl(logits[:, first:-1], target, clean)
-    _add(sums, f"ce:{label}", ce)
-    if clean is not None:
-        _add(sums, f"kl:{label}", kl)
-    return ce, kl
 
 
 _CHUNK_ELEMENTS = 1 << 22

@@ -75,6 +75,22 @@ def mlp_module_out_hook(block: int) -> str:
     return f"blocks.{block}.mlp.hook_out"
 
 
+def resid_pre_hook(block: int) -> str:
+    """The residual stream entering block ``block`` (what a forward with ``start_at_layer=block`` starts from)."""
+    return f"blocks.{block}.hook_resid_pre"
+
+
+EMBED_HOOKS: dict[str, str] = {"embed": "hook_embed", "pos_embed": "hook_pos_embed"}
+"""The hooks of what the embeddings add to the residual stream, by kind: the token embedding and the
+learned positional embedding (a model with rotary or no positional embeddings never runs the second)."""
+
+
+def is_pattern_or_scale(name: str) -> bool:
+    """True for the hook of an attention pattern (``blocks.L.attn.hook_pattern``) or of a norm's scale
+    (``blocks.L.ln1.hook_scale``, ``ln_final.hook_scale``, ...): what a linearisation at a prompt freezes."""
+    return name.endswith(("hook_pattern", "hook_scale"))
+
+
 def out_hook(block: int, writes: Writes) -> str:
     """The hook name a layer writing at ``writes`` records as ``metadata.hook_name_out``."""
     if writes == "hook_mlp_out":

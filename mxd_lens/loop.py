@@ -17,7 +17,7 @@ import logging
 import warnings
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from tqdm.auto import tqdm
@@ -29,7 +29,6 @@ from mxd_lens.checkpoints import (
     latest_checkpoint,
     save_checkpoint_dir,
 )
-from mxd_lens.config import SCHEDULES, scheduled_lr  # noqa: F401 (re-exported)
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +54,33 @@ def differences(
     return {k: (saved.get(k), asked.get(k)) for k in keys if saved.get(k) != asked.get(k)}
 
 
+class ResumeState(Protocol):
+    """What the loop asks about a run's checkpoints (``TrainingLoop.resume_state``): the identity a
+    checkpoint must share with the run to be resumed, and how the whole training state is written,
+    read back (checked, before any of it is applied) and applied."""
+
+    def identity(self) -> dict[str, Any]:
+        """What a checkpoint must share with this run to be resumed (JSON values)."""
+
+    def read_identity(self, folder: Path) -> dict[str, Any]:
+        """A checkpoint's identity; raise if it is damaged."""
+
+    def comparable(self, part: str, value: Any) -> Any:
+        """What of an identity ``part`` a resume must match (e.g. a text's digests, not its path)."""
+
+    def resume_free(self) -> tuple[str, ...]:
+        """Keys of the identity's "config" that may change between a checkpoint and its resumption."""
+
+    def write_state(self, folder: Path) -> None:
+        """Write the whole training state (with ``identity()``) into the fresh folder ``folder``."""
+
+    def read_state(self, folder: Path) -> Any:
+        """Read (and check) everything a resume needs; raise if damaged."""
+
+    def apply_state(self, state: Any) -> None:
+        """Make the run continue from ``state`` (what ``read_state`` returned)."""
+
+
 class TrainingLoop:
     """The shared loop; see the module docstring. Subclasses set, in ``__init__``:
 
@@ -78,6 +104,12 @@ class TrainingLoop:
     lock_label: str = "trainer"
 
     # -- what a trainer says ---------------------------------------------------------------------
+    @property
+    def resume_state(self) -> ResumeState:
+        """The object the loop asks about checkpoints (``ResumeState``). By default the trainer itself,
+        with the methods below; ``mxd_lens.training.Trainer`` keeps them in an object of their own."""
+        return self
+
     def batch_stream(self) -> Iterator[Any]:
         """The batches from step ``self.step`` on (a resumed run skips what the checkpoint has seen)."""
         raise NotImplementedError
@@ -279,7 +311,9 @@ class TrainingLoop:
         if self.rank:
             return None
         self.check_weights()
-        return save_checkpoint_dir(self.checkpoint_dir, self.step, self.write_state, self.keep_checkpoints)
+        return save_checkpoint_dir(
+            self.checkpoint_dir, self.step, self.resume_state.write_state, self.keep_checkpoints
+        )
 
     def load_checkpoint(self, path: str | Path | None = None) -> Path | None:
         """Restore the training state from ``path``, or from the newest intact checkpoint: a ``latest``
@@ -300,13 +334,13 @@ class TrainingLoop:
             )
         for folder in candidates:
             try:
-                saved = self.read_identity(folder)
+                saved = self.resume_state.read_identity(folder)
             except Exception as err:  # damaged or incomplete: say so and try the next older one
                 problems.append(f"{folder}: {type(err).__name__}: {err}")
                 continue
             self.check_identity(folder, saved)  # another run's checkpoint: refused, not skipped
             try:
-                state = self.read_state(folder)
+                state = self.resume_state.read_state(folder)
             except Exception as err:
                 problems.append(f"{folder}: {type(err).__name__}: {err}")
                 continue
@@ -315,7 +349,7 @@ class TrainingLoop:
                     "skipped unreadable checkpoint(s) " + "; ".join(problems) + f"; resuming from {folder}",
                     stacklevel=2,
                 )
-            self.apply_state(state)
+            self.resume_state.apply_state(state)
             return folder
         if problems:
             raise CheckpointError(
@@ -331,13 +365,14 @@ class TrainingLoop:
 
     def check_identity(self, folder: Path, saved: Mapping[str, Any]) -> None:
         """Raise ``ResumeMismatch`` naming each difference between a checkpoint's identity and ours."""
-        asked = json.loads(json.dumps(self.identity()))  # as a checkpoint stores it (tuples -> lists)
+        rs = self.resume_state
+        asked = json.loads(json.dumps(rs.identity()))  # as a checkpoint stores it (tuples -> lists)
         for part in asked:
             if saved.get(part) is None:
                 continue  # written before this part was recorded
-            there, here = self.comparable(part, saved[part]), self.comparable(part, asked[part])
+            there, here = rs.comparable(part, saved[part]), rs.comparable(part, asked[part])
             if isinstance(there, Mapping) and isinstance(here, Mapping):
-                diff = differences(there, here, self.resume_free() if part == "config" else ())
+                diff = differences(there, here, rs.resume_free() if part == "config" else ())
             else:
                 diff = {} if there == here else {part: (there, here)}
             if diff:

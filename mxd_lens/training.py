@@ -49,15 +49,15 @@ from mxd_lens.activations import (
     CachedActivations,
     ModelActivations,
     StreamInfo,
+    open_stream,
     shuffled_batches,
     upgrade_stream_record,
 )
-from mxd_lens.checkpoints import CheckpointError, RunLocked  # noqa: F401 (re-exported)
-from mxd_lens.config import NORMALIZATIONS, WIDTH_MULTIPLIER, TrainConfig  # noqa: F401 (re-exported)
+from mxd_lens.config import WIDTH_MULTIPLIER, LearnersConfig, TrainConfig, TrainRun
 from mxd_lens.fileio import atomic_write_text
 from mxd_lens.firing import FiringTracker
 from mxd_lens.layers import MLPReplacement, architecture_key, get_architecture
-from mxd_lens.loop import SCHEDULES, ResumeMismatch, TrainingDiverged, TrainingLoop, scheduled_lr  # noqa: F401
+from mxd_lens.loop import TrainingLoop
 from mxd_lens.records import TrainingRecord
 
 # Settings that may change between a checkpoint and its resumption without changing what is trained.
@@ -253,6 +253,62 @@ def _admit(
     return item, layer
 
 
+def check_archs(archs: Sequence[str]) -> None:
+    """Refuse an architecture no one registered (after loading installed plug-ins), before any heavy
+    work (at run time rather than parse time, so that ``--help`` stays light)."""
+    from mxd_lens.layers import ARCHITECTURES, parse_arch
+    from mxd_lens.layers.registry import load_plugins
+
+    if any(parse_arch(a)[0] not in ARCHITECTURES for a in archs):
+        load_plugins()
+    unknown = [a for a in archs if parse_arch(a)[0] not in ARCHITECTURES]
+    if unknown:
+        raise ValueError(
+            f"--arch {' '.join(unknown)}: not a key of mxd_lens.ARCHITECTURES {list(ARCHITECTURES)} "
+            "(a third-party architecture: `mxd-lens --import MODULE train ...`, or install its plug-in)"
+        )
+
+
+def learner_specs(learners: LearnersConfig, blocks: Sequence[int]) -> list[LearnerSpec]:
+    """Every combination of ``learners``' architectures x K x width multipliers at every block."""
+    return [
+        LearnerSpec(
+            arch,
+            block,
+            k,
+            m,
+            init=learners.init if get_architecture(arch.partition(":")[0]).copies_host_mlp else "default",
+        )  # fmt: skip
+        for block in blocks
+        for arch in learners.arch
+        for k in learners.k
+        for m in learners.width_multiplier or [None]
+    ]
+
+
+def train(run: TrainRun) -> dict[str, dict[str, float]]:
+    """Run ``run`` (``mxd-lens train``): open its activations, train every learner, write the final
+    layers to ``run.out``/final and the run itself to ``run.out``/run.json. Under ``torchrun`` each rank
+    calls this; the process group is set up here if the launcher asked for one. Returns each learner's
+    last metrics."""
+    import os
+
+    check_archs(run.learners.arch)
+    started = int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized()
+    if started:
+        dist.init_process_group("nccl" if run.device.startswith("cuda") else "gloo")
+    try:
+        source, model = open_stream(run.stream, run.cache, run.blocks, run.shuffle)
+        specs = learner_specs(run.learners, run.blocks or source.info.blocks)
+        trainer = Trainer(specs, source, run.train, run.out, model=model, progress=not run.no_progress,
+                          device=run.device, data_info=source.text_info)  # fmt: skip
+        trainer.run_record = asdict(run)
+        return trainer.fit(resume=run.resume)
+    finally:
+        if started:
+            dist.destroy_process_group()
+
+
 class Trainer(TrainingLoop):
     """Trains ``specs`` on ``source`` and writes checkpoints and final weights under ``out_dir``.
 
@@ -299,12 +355,11 @@ class Trainer(TrainingLoop):
         admitted = [_admit(item, i, source.info, config.seed, model, device) for i, item in enumerate(specs)]
         names = [spec.name for spec, _ in admitted]
         if chosen:
-            log.info(
-                "width multiplier m = %s, chosen for this host (d_in %d, MLP width %d%s): the smallest m >= %d at "
-                "which a parameter-matched MxD gets at least d_in experts; give width_multiplier to set it",
-                chosen[0], source.info.d_in, source.info.d_hidden, ", GLU" if source.info.gated else "",
-                WIDTH_MULTIPLIER,
-            )  # fmt: skip
+            log.info("width multiplier m = %d (%s; width_multiplier / --width-multiplier sets it)", chosen[0],
+                     "the default" if chosen[0] == WIDTH_MULTIPLIER else
+                     f"raised from {WIDTH_MULTIPLIER}: this host's MLP ({source.info.d_hidden} wide"
+                     f"{', GLU' if source.info.gated else ''}) would leave a width-{WIDTH_MULTIPLIER} match fewer "
+                     f"than d_model = {source.info.d_in} experts")  # fmt: skip
         if not admitted or len(set(names)) != len(names):
             raise ValueError(f"need one or more learners with distinct names, got {names}")
         self.learners: dict[str, _Learner] = {}
@@ -337,9 +392,16 @@ class Trainer(TrainingLoop):
         self.scales: dict[int, tuple[float, float]] = {}  # block -> (input scale, output scale)
         self.loss_scale: dict[int, float] = {}  # block -> per-token variance of the (scaled) target
         self._wandb_run: Any = None
+        self.run_record: dict[str, Any] | None = None  # the TrainRun, written to out_dir/run.json (train())
+        self._resume_state = TrainerState(self)
 
     def lr_at(self, step: int) -> float:
         return self.config.lr_at(step, self.total_steps)
+
+    def before_steps(self) -> None:
+        """The run's whole configuration, once the folder is ours (locked, and a fresh run's found empty)."""
+        if self.run_record is not None and self.out_dir is not None and self.rank == 0:
+            atomic_write_text(self.out_dir / "run.json", json.dumps(self.run_record, indent=1) + "\n")
 
     def fit(self, resume: bool = False) -> dict[str, dict[str, float]]:
         """Train to the token budget; with ``resume`` continue from the latest intact checkpoint in
@@ -570,19 +632,51 @@ class Trainer(TrainingLoop):
             self._folded_at = (self.step, self.trained_layers())
         return self._folded_at[1]
 
-    # -- checkpoints (written and found by TrainingLoop) -------------------------------------------
+    # -- checkpoints: what the loop asks (TrainerState) -------------------------------------------
+    @property
+    def resume_state(self) -> TrainerState:
+        return self._resume_state
+
+    def save_final(self, metrics: dict[str, dict[str, float]]) -> dict[str, Path]:
+        """Each learner in SAELens format under ``out_dir/final/NAME`` (``trained_layers``: scales
+        folded in, the training record and ``metrics`` in ``cfg.metadata.training``)."""
+        if self.rank:
+            return {}
+        paths = {}
+        for name, layer in self._folded().items():
+            if name in metrics:
+                layer.cfg.metadata.training["metrics"] = metrics[name]
+            paths[name] = self.out_dir / "final" / name
+            layer.save_model(paths[name])
+            for stale in paths[name].glob(".*.tmp"):  # left by a run killed while writing (we hold the lock)
+                stale.unlink(missing_ok=True)
+        atomic_write_text(
+            self.out_dir / "final" / "metrics.json",
+            json.dumps({name: learner.history for name, learner in self.learners.items()}, indent=1),
+        )
+        return paths
+
+
+class TrainerState:
+    """A ``Trainer``'s checkpoints as the loop asks about them (``mxd_lens.loop.ResumeState``): what a
+    checkpoint must share with the run (its learners, recipe and data), and how the learners' weights,
+    optimizers, firing counters and the stream offset are written, read back and applied."""
+
+    def __init__(self, trainer: Trainer):
+        self.trainer = trainer
+
     def resume_free(self) -> tuple[str, ...]:
         return _FREE
 
     def identity(self) -> dict[str, Any]:
         return {
-            "learners": {name: asdict(learner.spec) for name, learner in self.learners.items()},
-            "config": asdict(self.config),
+            "learners": {name: asdict(learner.spec) for name, learner in self.trainer.learners.items()},
+            "config": asdict(self.trainer.config),
             "data": self.data_identity(),
         }
 
     def read_identity(self, folder: Path) -> dict[str, Any]:
-        saved = super().read_identity(folder)
+        saved = json.loads((folder / "trainer_state.json").read_text())
         # Old-data readers: checkpoints written before the renames resume.
         for spec in (saved.get("learners") or {}).values():  # written before LearnerSpec.layer became block
             if "layer" in spec and "block" not in spec:
@@ -601,8 +695,8 @@ class Trainer(TrainingLoop):
         return saved
 
     def write_state(self, folder: Path) -> None:
-        folded = self._folded()
-        for name, learner in self.learners.items():
+        folded = self.trainer._folded()
+        for name, learner in self.trainer.learners.items():
             folded[name].save_model(folder / name)
             torch.save(
                 {
@@ -615,10 +709,10 @@ class Trainer(TrainingLoop):
                 folder / name / "train_state.pt",
             )
         state = {
-            "step": self.step,
-            "tokens_seen": self.tokens_seen,
-            "scales": {str(k): list(v) for k, v in self.scales.items()},
-            "loss_scale": {str(k): v for k, v in self.loss_scale.items()},
+            "step": self.trainer.step,
+            "tokens_seen": self.trainer.tokens_seen,
+            "scales": {str(k): list(v) for k, v in self.trainer.scales.items()},
+            "loss_scale": {str(k): v for k, v in self.trainer.loss_scale.items()},
             **self.identity(),
         }
         (folder / "trainer_state.json").write_text(json.dumps(state, indent=2))
@@ -635,8 +729,8 @@ class Trainer(TrainingLoop):
     def data_identity(self) -> dict[str, Any]:
         """What the stream is: the cache's settings and size, or the live stream's model, blocks and
         text; a resume on other data is refused by comparing these."""
-        source = self.source
-        identity: dict[str, Any] = {"stream": asdict(source.info), "text": self.data_info}
+        source = self.trainer.source
+        identity: dict[str, Any] = {"stream": asdict(source.info), "text": self.trainer.data_info}
         if isinstance(source, CachedActivations):
             records = source.records or {}
             sums = [records.get(source.shard_name(i), {}).get("blake2b_256") for i in range(source.n_shards)]
@@ -661,9 +755,9 @@ class Trainer(TrainingLoop):
     def read_state(self, folder: Path) -> tuple[dict[str, Any], dict[str, Any]]:
         state = json.loads((folder / "trainer_state.json").read_text())
         learners = {}
-        for name, learner in self.learners.items():
+        for name, learner in self.trainer.learners.items():
             train_state = torch.load(
-                folder / name / "train_state.pt", weights_only=True, map_location=self.device
+                folder / name / "train_state.pt", weights_only=True, map_location=self.trainer.device
             )
             expected = {k: v.shape for k, v in learner.layer.state_dict().items()}
             got = {k: v.shape for k, v in train_state["weights"].items()}
@@ -674,7 +768,7 @@ class Trainer(TrainingLoop):
 
     def apply_state(self, read: tuple[dict[str, Any], dict[str, Any]]) -> None:
         state, learners = read
-        for name, learner in self.learners.items():
+        for name, learner in self.trainer.learners.items():
             train_state = learners[name]
             with torch.no_grad():
                 for key, param in learner.layer.state_dict().items():
@@ -684,28 +778,9 @@ class Trainer(TrainingLoop):
             learner.firing.tokens = state["tokens_seen"]
             learner.history = train_state["history"]
             learner.clipped = train_state.get("clipped", 0)  # absent in checkpoints before grad_clip
-        self.step, self.tokens_seen = state["step"], state["tokens_seen"]
-        self.scales = {int(k): tuple(v) for k, v in state["scales"].items()}
-        self.loss_scale = {int(k): v for k, v in state["loss_scale"].items()}
-
-    def save_final(self, metrics: dict[str, dict[str, float]]) -> dict[str, Path]:
-        """Each learner in SAELens format under ``out_dir/final/NAME`` (``trained_layers``: scales
-        folded in, the training record and ``metrics`` in ``cfg.metadata.training``)."""
-        if self.rank:
-            return {}
-        paths = {}
-        for name, layer in self._folded().items():
-            if name in metrics:
-                layer.cfg.metadata.training["metrics"] = metrics[name]
-            paths[name] = self.out_dir / "final" / name
-            layer.save_model(paths[name])
-            for stale in paths[name].glob(".*.tmp"):  # left by a run killed while writing (we hold the lock)
-                stale.unlink(missing_ok=True)
-        atomic_write_text(
-            self.out_dir / "final" / "metrics.json",
-            json.dumps({name: learner.history for name, learner in self.learners.items()}, indent=1),
-        )
-        return paths
+        self.trainer.step, self.trainer.tokens_seen = state["step"], state["tokens_seen"]
+        self.trainer.scales = {int(k): tuple(v) for k, v in state["scales"].items()}
+        self.trainer.loss_scale = {int(k): v for k, v in state["loss_scale"].items()}
 
 
 def _option_fields(layer_cls: type) -> set[str]:

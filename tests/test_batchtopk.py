@@ -317,7 +317,7 @@ def test_registry_lists_it_and_the_command_line_takes_it():
     assert mxd_lens.arch_label("batchtopk_transcoder") == "BatchTopK transcoder"
     argv = "train --cache c --out o --arch batchtopk_transcoder transcoder --k 8 --epochs 1".split()
     args = build_parser().parse_args(argv)
-    assert args.train.arch == ["batchtopk_transcoder", "transcoder"]
+    assert args.run.learners.arch == ["batchtopk_transcoder", "transcoder"]
     spec = LearnerSpec("batchtopk_transcoder:topk_threshold_lr=0.05", 6, k=8, width_multiplier=8)
     assert spec.name == "L6.batchtopk_transcoder-topk_threshold_lr=0.05.k8.m8"
     from mxd_lens.studies.frontier import FrontierConfig

@@ -19,7 +19,7 @@ from test_activations import random_rows
 import mxd_lens
 from mxd_lens.activations import ModelActivations
 from mxd_lens.analysis.probing import layer_method
-from mxd_lens.cli import build_parser
+from mxd_lens.cli import build_parser, main
 from mxd_lens.training import LearnerSpec, TrainConfig, Trainer
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "custom_layers.md"
@@ -69,9 +69,10 @@ def test_the_documented_architecture_trains_folds_saves_and_loads(example, tmp_p
     args = build_parser().parse_args(
         ["train", "--out", "o", "--cache", "c", "--epochs", "1", "--arch", KEY, "mxd"]
     )
-    assert args.train.arch == [KEY, "mxd"]
-    with pytest.raises(ValueError, match=f"--arch nope: not a key of mxd_lens.ARCHITECTURES .*'{KEY}'"):
-        build_parser().parse_args(["train", "--out", "o", "--cache", "c", "--epochs", "1", "--arch", "nope"])
+    assert args.run.learners.arch == [KEY, "mxd"]
+    # refused before anything is opened (the cache "c" does not exist)
+    with pytest.raises(SystemExit, match=f"--arch nope: not a key of mxd_lens.ARCHITECTURES .*'{KEY}'"):
+        main(["train", "--out", str(tmp_path / "o"), "--cache", "c", "--epochs", "1", "--arch", "nope"])
     assert layer_method(loaded) == KEY and mxd_lens.arch_label(KEY) == "Low-rank skip transcoder"
 
 

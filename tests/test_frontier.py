@@ -11,7 +11,7 @@ import torch
 from conftest import make_text_model
 from sae_lens import SAE
 
-from mxd_lens.config import RECOMMENDED_MXD
+from mxd_lens.config import RECOMMENDED_MXD, TrainConfig
 from mxd_lens.studies.frontier import FrontierConfig
 from mxd_lens.studies.frontier.run import plot_frontier, run_frontier
 
@@ -26,8 +26,7 @@ def test_frontier_trains_evaluates_and_writes_everything(tmp_path):
         train_tokens=64 * 12,
         eval_tokens=200,
         context_size=12,
-        batch_tokens=64,
-        lr=3e-3,
+        train=TrainConfig(epochs=1.0, batch_tokens=64, lr=3e-3),
         rows_per_shard=16,
         eval_fraction=0.1,
     )
@@ -76,7 +75,7 @@ def test_frontier_grid_seeds_and_other_eval_text(tmp_path):
         train_tokens=64 * 6,
         eval_tokens=120,
         context_size=12,
-        batch_tokens=64,
+        train=TrainConfig(epochs=1.0, batch_tokens=64),
         rows_per_shard=16,
         eval_fraction=0.1,
     )
@@ -177,8 +176,7 @@ def test_frontier_variants_rates_and_out_of_domain_text(tmp_path):
         train_tokens=64 * 6,
         eval_tokens=120,
         context_size=12,
-        batch_tokens=64,
-        lr=2e-3,
+        train=TrainConfig(epochs=1.0, batch_tokens=64, lr=2e-3),
         rows_per_shard=16,
         eval_fraction=0.1,
     )
@@ -243,7 +241,7 @@ def test_frontier_starts_mxd_from_the_mlp_on_request(tmp_path):
 
     model, corpus = make_text_model(tmp_path)
     config = FrontierConfig(text=str(corpus), blocks=[1], ks=[2], width_multiplier=8, train_tokens=64 * 12,
-                            eval_tokens=100, context_size=12, batch_tokens=64, rows_per_shard=16,
+                            eval_tokens=100, context_size=12, train=TrainConfig(epochs=1.0, batch_tokens=64), rows_per_shard=16,
                             eval_fraction=0.1, archs=["mxd", "transcoder"], init="mlp")  # fmt: skip
     assert _init("mxd:gate=topk", config) == "mlp" and _init("transcoder", config) == "default"
     rows = run_frontier(model, config, tmp_path / "out", progress=False)

@@ -109,7 +109,7 @@ def test_a_half_dtype_the_host_cannot_run_is_refused_naming_the_fix(folder, monk
 
 def test_an_unknown_dtype_is_refused_before_anything_loads(folder, monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("nothing may be loaded"))
-    for verb in (["train", "--tokens", "64", "--out", str(tmp_path / "run")], ["eval", str(folder)],
+    for verb in (["train", "--tokens", "1024", "--out", str(tmp_path / "run")], ["eval", str(folder)],
                  ["inspect", "--layer", str(folder)]):  # fmt: skip
         with pytest.raises(SystemExit, match="--dtype bf16: choose one of float32, bfloat16, float16"):
             main([*verb, "--model", str(folder), "--dtype", "bf16"])

@@ -8,7 +8,8 @@ import math
 import pytest
 import torch
 
-from mxd_lens.loop import ResumeMismatch, TrainingDiverged, TrainingLoop, differences, scheduled_lr
+from mxd_lens.config import scheduled_lr
+from mxd_lens.loop import ResumeMismatch, TrainingDiverged, TrainingLoop, differences
 
 
 class Toy(TrainingLoop):

@@ -332,6 +332,7 @@ def test_info_tells_the_papers_mxd_from_the_recommended_one(tmp_path, capsys):
 
 # -- 13. the demo's (frontier's) evaluations are recorded; the card shows every one ---------------------
 def test_the_frontier_records_its_evaluations_and_the_card_shows_each_text(tmp_path, text_model, capsys):
+    from mxd_lens.config import TrainConfig
     from mxd_lens.hub import stage
     from mxd_lens.studies.frontier import FrontierConfig
     from mxd_lens.studies.frontier.run import run_frontier
@@ -341,7 +342,7 @@ def test_the_frontier_records_its_evaluations_and_the_card_shows_each_text(tmp_p
     other.write_text("\n\n".join(" ".join(d.split()[::-1]) for d in corpus.read_text().split("\n\n")[:80]))
     config = FrontierConfig(text=str(corpus), blocks=[1], ks=[2], archs=["transcoder"], ood_text=str(other),
                             ood_eval_tokens=96, train_tokens=128, eval_tokens=120, context_size=12,
-                            batch_tokens=64, rows_per_shard=16, eval_fraction=0.1)  # fmt: skip
+                            train=TrainConfig(epochs=1.0, batch_tokens=64), rows_per_shard=16, eval_fraction=0.1)  # fmt: skip
     (row,) = run_frontier(model, config, tmp_path / "out", progress=False)
     folder = tmp_path / "out" / "runs" / "L1.seed0" / "final" / "L1.transcoder.k2.m8"
     meta = _strict_json((folder / "cfg.json").read_text())["metadata"]

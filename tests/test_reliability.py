@@ -12,8 +12,8 @@ import torch
 from test_training import SPECS, assert_identical, config, crash_at, final_weights, source
 
 from mxd_lens.activations import CachedActivations, write_cache
-from mxd_lens.checkpoints import RunLock
-from mxd_lens.training import CheckpointError, RunLocked, Trainer
+from mxd_lens.checkpoints import CheckpointError, RunLock, RunLocked
+from mxd_lens.training import Trainer
 
 
 def test_resume_on_other_data_is_refused(tmp_path):

@@ -14,6 +14,7 @@ import torch
 from conftest import D_VOCAB, make_model
 from transformer_lens import HookedTransformer, HookedTransformerConfig
 
+from mxd_lens.loop import TrainingDiverged
 from mxd_lens.spd import (
     Decomposition,
     SPDConfig,
@@ -23,7 +24,6 @@ from mxd_lens.spd import (
     subset_routing,
     upper_leaky_hard_sigmoid,
 )
-from mxd_lens.training import TrainingDiverged
 
 
 def make_attn_only(

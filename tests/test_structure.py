@@ -71,3 +71,72 @@ def test_no_import_cycles_and_no_chain_longer_than_six():
         walk([start])
     assert not cycles, cycles[:3]
     assert len(longest) <= 6, " -> ".join(longest)
+
+
+# -- `train` in the studies' shape (issue 45) --------------------------------------------------------
+def _function(path: Path, name: str) -> ast.FunctionDef:
+    tree = ast.parse(path.read_text())
+    return next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == name)
+
+
+def _called_names(node: ast.AST) -> set[str]:
+    return {
+        n.func.id if isinstance(n.func, ast.Name) else n.func.attr
+        for n in ast.walk(node)
+        if isinstance(n, ast.Call) and isinstance(n.func, (ast.Name, ast.Attribute))
+    }
+
+
+def test_the_train_verb_hands_one_run_config_to_one_function():
+    """`mxd-lens train` parses one nested TrainRun and calls training.train with it: the CLI holds no
+    stream/cache/model agreement and builds no learner itself."""
+    import dataclasses
+
+    from mxd_lens.config import LearnersConfig, StreamConfig, TrainConfig, TrainRun
+
+    verb = _function(ROOT / "cli.py", "_train")
+    called = _called_names(verb)
+    assert "train" in called
+    assert not called & {"load_host", "CachedActivations", "ModelActivations", "LearnerSpec", "Trainer",
+                         "model_identity", "default_width"}, called  # fmt: skip
+    types = {f.name: getattr(f.type, "__name__", f.type) for f in dataclasses.fields(TrainRun)}
+    assert {types["stream"], types["train"], types["learners"]} == {
+        "StreamConfig",
+        "TrainConfig",
+        "LearnersConfig",
+    }
+    assert StreamConfig and TrainConfig and LearnersConfig
+
+
+def test_the_cache_model_agreement_lives_next_to_the_cache():
+    """One function decides whether a cache, a model and a stream agree for a run: activations.open_stream
+    (the CLI and the trainer only call it)."""
+    assert {"model_identity", "is_named", "CachedActivations"} <= _called_names(
+        _function(ROOT / "activations.py", "open_stream")
+    )
+    for path in (ROOT / "cli.py", ROOT / "training.py"):
+        assert "model_identity" not in path.read_text(), path
+
+
+def test_the_frontier_nests_the_training_recipe_instead_of_copying_it():
+    import dataclasses
+
+    from mxd_lens.config import TrainConfig
+    from mxd_lens.studies.frontier import FrontierConfig
+
+    own = {f.name for f in dataclasses.fields(FrontierConfig)}
+    assert "train" in own
+    assert not own & ({f.name for f in dataclasses.fields(TrainConfig)} - {"train"}), own & {
+        f.name for f in dataclasses.fields(TrainConfig)
+    }
+
+
+def test_the_trainer_asks_one_object_about_its_checkpoints():
+    """The identity and resume state are one object (TrainerState), not eight methods of the Trainer."""
+    from mxd_lens.loop import ResumeState
+    from mxd_lens.training import Trainer, TrainerState
+
+    asked = {name for name in vars(ResumeState) if not name.startswith("_")}
+    assert len(asked) == 7
+    assert not asked & set(vars(Trainer)), asked & set(vars(Trainer))
+    assert asked <= set(vars(TrainerState))

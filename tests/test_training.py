@@ -21,7 +21,9 @@ from safetensors.torch import load_file
 from test_activations import random_rows
 
 from mxd_lens.activations import CachedActivations, ModelActivations, write_cache
-from mxd_lens.training import CheckpointError, LearnerSpec, TrainConfig, Trainer, TrainingDiverged
+from mxd_lens.checkpoints import CheckpointError
+from mxd_lens.loop import TrainingDiverged
+from mxd_lens.training import LearnerSpec, TrainConfig, Trainer
 
 SPECS = [
     LearnerSpec("mxd", 1, k=4, width_multiplier=8),
@@ -534,8 +536,7 @@ def test_the_default_width_trains_on_a_host_whose_mlp_is_too_wide_for_m8(tmp_pat
     stream = ["--model", "tiny", "--text", str(corpus), "--context-size", "12", "--rows-per-shard", "16"]
     args = ["train", *stream, "--blocks", "1", "--k", "2", "--tokens", "320", "--batch-tokens", "32"]
     assert main([*args, "--no-progress", "--out", str(tmp_path / "run")]) == 0
-    out = capsys.readouterr().out
-    assert "width multiplier m = 10 (raised from 8" in out
+    assert "width multiplier m = 10 (raised from 8" in capsys.readouterr().err  # the mxd_lens logger
     folders = {p.name: p for p in (tmp_path / "run" / "final").iterdir() if p.is_dir()}
     assert sorted(folders) == ["L1.mxd-gate=topk-gate_standardize=0.1.k2.m10", "L1.transcoder.k2.m10"]
     layers = {name: SAE.load_from_disk(str(path)) for name, path in folders.items()}
@@ -544,3 +545,34 @@ def test_the_default_width_trains_on_a_host_whose_mlp_is_too_wide_for_m8(tmp_pat
     assert mxd.cfg.d_sae == match_experts(10 * 16, 16, 16, 88, glu=True) >= 16
     low, high = sorted(n_params.values())
     assert (high - low) / high < 0.05  # parameter-matched
+
+
+def test_train_runs_one_nested_run_config_and_records_it_whole(tmp_path):
+    """`training.train(TrainRun)` is what `mxd-lens train` calls: it writes OUT/run.json (the run as one
+    JSON object), trains the learners the run names, and a second call with resume continues (here: a
+    finished run reports its metrics again, bit for bit)."""
+    import dataclasses
+
+    from conftest import make_text_model
+
+    from mxd_lens.activations import ModelActivations, StreamConfig, write_cache
+    from mxd_lens.config import LearnersConfig, TrainRun
+    from mxd_lens.training import train
+
+    model, corpus = make_text_model(tmp_path)
+    stream = ModelActivations.from_config(
+        model, [1], StreamConfig(text=str(corpus), context_size=12, rows_per_shard=16)
+    )
+    write_cache(stream, tmp_path / "cache", n_shards=2, progress=False)
+    run = TrainRun(out=str(tmp_path / "run"), train=TrainConfig(epochs=1, batch_tokens=32, norm_tokens=64),
+                   cache=str(tmp_path / "cache"), learners=LearnersConfig(arch=["mxd", "transcoder"], k=[2],
+                   width_multiplier=[8]), no_progress=True)  # fmt: skip
+    metrics = train(run)
+    assert sorted(metrics) == ["L1.mxd.k2.m8", "L1.transcoder.k2.m8"]
+    recorded = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert recorded == json.loads(json.dumps(dataclasses.asdict(run)))
+    assert recorded["learners"]["arch"] == ["mxd", "transcoder"] and recorded["train"]["epochs"] == 1
+    again = train(dataclasses.replace(run, resume=True))
+    assert again == metrics
+    with pytest.raises(ValueError, match="not a key of mxd_lens.ARCHITECTURES"):  # before the cache is opened
+        train(dataclasses.replace(run, cache=str(tmp_path / "none"), learners=LearnersConfig(arch=["nope"])))

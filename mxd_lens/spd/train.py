@@ -36,8 +36,9 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
+from mxd_lens.config import scheduled_lr
 from mxd_lens.fileio import atomic_write_text
-from mxd_lens.loop import TrainingLoop, scheduled_lr
+from mxd_lens.loop import TrainingLoop
 from mxd_lens.spd.ci import CI_TYPES
 from mxd_lens.spd.components import Decomposition
 from mxd_lens.spd.losses import (

@@ -15,7 +15,7 @@ def run(model: Any, options: DemoOptions, out: Path | None) -> StudyResult:
     """The frontier study at one point, in ``out`` (default results/demo, or results/demo-quick with
     ``--quick``, so a smoke run never meets a real one)."""
     from mxd_lens.analysis.tasks import bundled_data
-    from mxd_lens.config import RECOMMENDED_MXD
+    from mxd_lens.config import RECOMMENDED_MXD, TrainConfig
     from mxd_lens.data import default_text
     from mxd_lens.studies.frontier import FrontierConfig
     from mxd_lens.studies.frontier.run import run_frontier
@@ -33,12 +33,13 @@ def run(model: Any, options: DemoOptions, out: Path | None) -> StudyResult:
         # gate falls to about a dozen mostly always-on experts (docs/results.md, "Headline")
         archs=[RECOMMENDED_MXD, "transcoder"],
         train_tokens=options.train_tokens or (8_192 if quick else 262_144),
-        epochs=options.epochs,
         eval_tokens=options.eval_tokens or (1_024 if quick else 12_800),
         context_size=options.context_size,
-        batch_tokens=options.batch_tokens or (256 if quick else 512),
         rows_per_shard=33 if quick else 256,
         cache_dtype="float16",  # half the disk of float32; activations need no more precision
+        train=TrainConfig(
+            epochs=options.epochs, batch_tokens=options.batch_tokens or (256 if quick else 512)
+        ),
     )
     rows = run_frontier(model, config, out)
     epochs = f"{rows[0]['epochs']:.2f} epochs over the cache), " if rows[0].get("epochs") else "one pass), "

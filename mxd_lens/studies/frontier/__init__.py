@@ -3,9 +3,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field, fields
 
-from mxd_lens.config import StreamConfig, TrainConfig, optional_float
+from mxd_lens.config import StreamConfig, TrainConfig
 
 
 @dataclass
@@ -36,22 +37,17 @@ class FrontierConfig:
     arch_lr: list[str] = field(default_factory=list)
     """a learning rate per architecture, "ARCH=LR" (e.g. mxd=0.001 transcoder=0.002); others use lr"""
     train_tokens: int = 1_000_000  # tokens cached from the train split
-    epochs: float = 1.0  # passes over them
     eval_tokens: int = 25_600  # held-out tokens for CE, KL, FVU, L0, dead units
     context_size: int = StreamConfig.context_size  # tokens per row (BOS included where the model uses one)
-    batch_tokens: int = TrainConfig.batch_tokens  # tokens per training step
-    lr: float = TrainConfig.lr  # Adam learning rate
-    warmup_steps: int | None = None  # None: the trainer's default fraction of the steps
-    grad_clip: float | None = field(
-        default=TrainConfig.grad_clip, metadata={"custom_args": {"type": optional_float}}
-    )
-    """gradient norm limit per learner (none: off)"""
     rows_per_shard: int = StreamConfig.rows_per_shard  # token rows per cache shard
     eval_rows_per_forward: int = 8  # token rows per evaluation forward
     eval_fraction: float = StreamConfig.eval_fraction  # documents of text held out as its 'eval' side
     split_seed: int = StreamConfig.split_seed  # seed of that document split
-    seed: int = 0  # seed of the layers and points with no @SEED
     cache_dtype: str = "float32"  # float32, float16 or bfloat16 storage of the cache
+    train: TrainConfig = field(default_factory=lambda: TrainConfig(epochs=1.0))
+    """how every group is trained (``mxd-lens train``'s recipe): ``epochs`` are passes over the
+    ``train_tokens`` cached; ``seed`` seeds the layers of points with no @SEED. The study sets the token
+    budget, and checkpoints / logs every 1/20 and 1/50 of the steps unless they are given"""
 
     def __post_init__(self) -> None:
         from mxd_lens import data
@@ -113,20 +109,32 @@ class FrontierConfig:
         return sorted({block for block, _, _ in self.learners()})
 
     @property
+    def seed(self) -> int:
+        """The seed of points with no @SEED (``train.seed``)."""
+        return self.train.seed
+
+    @property
     def steps(self) -> int:
-        return int(self.epochs * self.train_tokens) // self.batch_tokens
+        tokens = self.train.total_tokens or int(self.train.epochs * self.train_tokens)
+        return tokens // self.train.batch_tokens
 
     def train_config(self, seed: int) -> TrainConfig:
-        """The trainer's settings (the recipe's defaults but for these fields)."""
-        return TrainConfig(
-            total_tokens=self.steps * self.batch_tokens,
-            batch_tokens=self.batch_tokens,
-            lr=self.lr,
-            warmup_steps=self.warmup_steps,
-            grad_clip=self.grad_clip,
+        """The trainer's settings for a group of ``seed``: ``train`` with the study's token budget, and
+        checkpoints / log lines every 1/20 and 1/50 of the steps where ``train`` left them at the recipe's
+        defaults."""
+        recipe = TrainConfig(epochs=1.0)
+        steps = self.steps
+        return dataclasses.replace(
+            self.train,
+            total_tokens=steps * self.train.batch_tokens,
+            epochs=None,
             seed=seed,
-            checkpoint_every=max(50, self.steps // 20),
-            log_every=max(1, self.steps // 50),
+            checkpoint_every=max(50, steps // 20)
+            if self.train.checkpoint_every == recipe.checkpoint_every
+            else self.train.checkpoint_every,
+            log_every=max(1, steps // 50)
+            if self.train.log_every == recipe.log_every
+            else self.train.log_every,
         )
 
 
