@@ -20,7 +20,7 @@
 # Resumable: rerun the same command (checkpoints under results/protocol-PART/runs). THREADS (default 2).
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
-PART=${1:?give A, A0, A3, B, C, D, I or S}
+PART=${1:?give A, A0, A3, B, C, D, I, I2 or S}
 CACHE=${CACHE:-results/cache-mix7}  # any cache of the same text holding the part's blocks (cache.sh)
 EXTRA=()
 export HF_HUB_OFFLINE=1 OMP_NUM_THREADS=${THREADS:-2}
@@ -47,7 +47,9 @@ case $PART in
      ARCHS=("$STD_MXD"); ARCH_LR="$STD_MXD=0.002" ;;
   I) POINTS=(--blocks 15 --ks 32)
      ARCHS=(mxd "$STD_MXD"); ARCH_LR="mxd=0.002 $STD_MXD=0.002"; EXTRA=(--init mlp) ;;
-  *) echo "unknown part $PART: give A, A0, A3, B, C, D, I or S" >&2; exit 2 ;;
+  I2) POINTS=(--blocks 5 25 --ks 32)  # part I at blocks 5 and 25 (CACHE=results/cache-mix7-l5-25)
+      ARCHS=(mxd "$STD_MXD"); ARCH_LR="mxd=0.002 $STD_MXD=0.002"; EXTRA=(--init mlp) ;;
+  *) echo "unknown part $PART: give A, A0, A3, B, C, D, I, I2 or S" >&2; exit 2 ;;
 esac
 exec .venv/bin/mxd-lens frontier --progress false --text results/data/mix7.txt.xz \
     --eval-fraction 0.05 --eval-tokens 32768 --ood-text $DATA/probing/topic_bbc_news.jsonl.xz \
