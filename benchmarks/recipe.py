@@ -87,7 +87,7 @@ def minimal_train(arch, info, x, y, *, k, m, steps, batch, lr, warmup, seed):
         p["W_out"] = torch.zeros(Hs, O, requires_grad=True)
     if arch == "skip_transcoder":
         p["W_skip"] = torch.zeros(I, O, requires_grad=True)
-    phi = mxd_lens.layers.activations.get_activation(info.activation)
+    phi = mxd_lens.layers.nonlinearity.get_activation(info.activation)
     opt = torch.optim.Adam(p.values(), lr=lr)
     order = torch.randperm(x.shape[0], generator=torch.Generator().manual_seed(seed))
     fvu = float("nan")

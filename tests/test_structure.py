@@ -140,3 +140,10 @@ def test_the_trainer_asks_one_object_about_its_checkpoints():
     assert len(asked) == 7
     assert not asked & set(vars(Trainer)), asked & set(vars(Trainer))
     assert asked <= set(vars(TrainerState))
+
+
+def test_one_name_per_module():
+    """No module of the core and of layers/ shares another's name (there were two `activations`)."""
+    paths = [*ROOT.glob("*.py"), *(ROOT / "layers").glob("*.py")]
+    names = [p.stem for p in paths if p.stem != "__init__"]
+    assert len(names) == len(set(names)), sorted({n for n in names if names.count(n) > 1})

@@ -40,8 +40,8 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 import torch
 from torch import nn
 
-from mxd_lens.layers.activations import get_activation
 from mxd_lens.layers.base import LayerConfig, MLPReplacement, uniform_
+from mxd_lens.layers.nonlinearity import get_activation
 
 if TYPE_CHECKING:
     from transformer_lens import HookedTransformer
