@@ -40,8 +40,9 @@ import torch
 
 from mxd_lens import hooks
 from mxd_lens.activations import ModelActivations
+from mxd_lens.config import DEFAULT_MODEL
 from mxd_lens.evaluation import evaluate
-from mxd_lens.models import DEFAULT_MODEL, load_model
+from mxd_lens.models import load_model
 from mxd_lens.training import LearnerSpec, build_layer
 
 PREVIOUS = "f347acf"  # main before the evaluation rewrite

@@ -39,6 +39,7 @@ import torch
 from layer_speed import _machine_busy_s, _own_cpu_s
 
 from mxd_lens import models
+from mxd_lens.config import DEFAULT_MODEL
 from mxd_lens.data import TokenRows, iter_texts, split_texts
 
 CORPUS = Path(__file__).resolve().parents[2] / "shared" / "data" / "corpus" / "jane_austen_novels.txt.xz"
@@ -48,7 +49,7 @@ def reference_model(name_or_path: str) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
     from transformers.utils.quantization_config import GgufConfig
 
-    path = models.default_model_path() if name_or_path == models.DEFAULT_MODEL else Path(name_or_path)
+    path = models.default_model_path() if name_or_path == DEFAULT_MODEL else Path(name_or_path)
     if path.suffix == ".gguf":
         return AutoModelForCausalLM.from_pretrained(
             str(path.parent),
@@ -82,7 +83,7 @@ def run(argv: list[str] | None = None) -> dict[str, float]:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(
-        "--model", default=models.DEFAULT_MODEL, help="the default, a .gguf file or a Hugging Face folder"
+        "--model", default=DEFAULT_MODEL, help="the default, a .gguf file or a Hugging Face folder"
     )
     parser.add_argument("--corpus", default=str(CORPUS))
     parser.add_argument("--windows", type=int, default=8, help="rows of 512 tokens for the loss")

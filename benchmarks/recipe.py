@@ -53,6 +53,7 @@ import torch
 
 import mxd_lens
 from mxd_lens.activations import CachedActivations
+from mxd_lens.layers.nonlinearity import get_activation
 from mxd_lens.training import LearnerSpec, TrainConfig, Trainer, build_layer
 
 ARCHS = ("mxd", "skip_transcoder", "transcoder")
@@ -87,7 +88,7 @@ def minimal_train(arch, info, x, y, *, k, m, steps, batch, lr, warmup, seed):
         p["W_out"] = torch.zeros(Hs, O, requires_grad=True)
     if arch == "skip_transcoder":
         p["W_skip"] = torch.zeros(I, O, requires_grad=True)
-    phi = mxd_lens.layers.nonlinearity.get_activation(info.activation)
+    phi = get_activation(info.activation)
     opt = torch.optim.Adam(p.values(), lr=lr)
     order = torch.randperm(x.shape[0], generator=torch.Generator().manual_seed(seed))
     fvu = float("nan")

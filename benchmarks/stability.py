@@ -3,7 +3,7 @@ cache, seed and schedule, every step logged, summarised per window of steps. Not
 a real activation cache).
 
 The case it was written for: MxD at K = 8 on SmolLM2-135M layer 15 in the frontier-v2 study
-(docs/results.md) diverged at step ~2,100 of 6,287 (FVU 0.15 -> 0.41 -> 1.75, L0 4 -> 1) and never
+(docs/results/frontier-v2; CHANGELOG.md) diverged at step ~2,100 of 6,287 (FVU 0.15 -> 0.41 -> 1.75, L0 4 -> 1) and never
 recovered. The frontier's cache and schedule (33 shards = 1,072,896 tokens, 3 epochs of 512-token
 steps) reproduce it exactly:
 

@@ -40,7 +40,8 @@ import torch
 
 from mxd_lens import data
 from mxd_lens.activations import ModelActivations
-from mxd_lens.models import DEFAULT_MODEL, hf_folder, load_model
+from mxd_lens.config import DEFAULT_MODEL
+from mxd_lens.models import hf_folder, load_model
 from mxd_lens.training import LearnerSpec, TrainConfig, Trainer
 
 

@@ -6,10 +6,12 @@ TransformerLens models, in SAELens's format.
     with mxd_lens.splice(model, mxd):
         loss = model(tokens, return_type="loss")
 
-Importing the package is light (the command line's help answers at once); the names below load their
-modules on first use. Our architectures are registered with SAELens as soon as SAELens is imported
-(at once if it already is), so after ``import mxd_lens`` ``SAE.load_from_disk`` / ``SAE.from_pretrained``
-build our layers whichever of the two was imported first.
+Importing the package is light (the command line's help answers at once): its names load their modules
+on first use, the few in ``_WHERE`` below and every name of ``mxd_lens.layers.__all__`` (``MxD``,
+``ARCHITECTURES``, ...), which that package alone lists; ``__all__`` and ``dir()`` import the layers.
+Our architectures are registered with SAELens as soon as SAELens is imported (at once if it already
+is), so after ``import mxd_lens`` ``SAE.load_from_disk`` / ``SAE.from_pretrained`` build our layers
+whichever of the two was imported first.
 """
 
 from __future__ import annotations
@@ -24,46 +26,36 @@ from mxd_lens import logs  # noqa: F401 (the mxd_lens logger's default handler)
 
 __version__ = "0.2.0"
 
-LAYER_NAMES = (  # what mxd_lens.layers exports (its __all__ is this tuple)
-    "ARCHITECTURES",
-    "BUILT_IN",
-    "BatchTopKTranscoder",
-    "BatchTopKTranscoderConfig",
-    "LayerConfig",
-    "MLPReplacement",
-    "MxD",
-    "MxDConfig",
-    "TopKSkipTranscoder",
-    "TopKSkipTranscoderConfig",
-    "TopKTranscoder",
-    "TopKTranscoderConfig",
-    "arch_label",
-    "architecture_key",
-    "format_arch",
-    "get_architecture",
-    "parse_arch",
-    "register",
-    "register_architecture",
-)
-_WHERE = {  # public name -> the module that defines it
+_WHERE = {  # public name -> the module that defines it (every other public name: mxd_lens.layers.__all__)
     **dict.fromkeys(["capture_mlp_io", "layer_metadata", "splice"], "mxd_lens.hooks"),
     **dict.fromkeys(["load_layer", "load_layers"], "mxd_lens.layers.io"),
     "match_experts": "mxd_lens.matching",
-    **dict.fromkeys(LAYER_NAMES, "mxd_lens.layers"),
 }
-__all__ = sorted(_WHERE)
+
+
+def _layers() -> Any:
+    return importlib.import_module("mxd_lens.layers")  # torch, SAELens: only when a layer name is asked for
 
 
 def __getattr__(name: str) -> Any:
     if name in _WHERE:
         value = getattr(importlib.import_module(_WHERE[name]), name)
-        globals()[name] = value  # next time without this function
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")  # (a submodule is then imported)
+    elif name == "__all__":
+        value = sorted({*_WHERE, *_layers().__all__})
+    elif name.startswith("_") or importlib.util.find_spec(f"{__name__}.{name}") is not None:
+        # a private name, or a submodule not imported yet (``from mxd_lens import data`` asks here first):
+        # not a layer name, so the (heavy) layers are not imported to look for it
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    elif name in _layers().__all__:
+        value = getattr(_layers(), name)
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    globals()[name] = value  # next time without this function
+    return value
 
 
 def __dir__() -> list[str]:
-    return sorted([*globals(), *_WHERE])
+    return sorted({*globals(), *_WHERE, *_layers().__all__})
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):

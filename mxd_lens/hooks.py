@@ -42,7 +42,7 @@ import torch
 from torch import nn
 from transformer_lens.hook_points import HookPoint
 
-from mxd_lens.records import check_dense  # noqa: F401 (where every path checks for MoE MLPs)
+from mxd_lens.records import check_dense
 
 if TYPE_CHECKING:
     from sae_lens import SAE
@@ -181,7 +181,7 @@ def layer_metadata(model: HookedTransformer, block: int, writes: Writes | None =
     """SAELens metadata for a layer that replaces block ``block``'s MLP of ``model``: it reads
     ``blocks.L.mlp.hook_in`` and writes at ``writes`` (default: :func:`default_writes`, the MLP module
     on hosts that normalise its output, else ``hook_mlp_out``). Its ``model_name`` is one to load the
-    host by (``mxd_lens.models.loadable_name``: ``"smollm2-135m"`` for the default model)."""
+    host by (``mxd_lens.records.loadable_name``: ``"smollm2-135m"`` for the default model)."""
     from sae_lens.saes.sae import SAEMetadata
 
     from mxd_lens.records import loadable_name
@@ -342,13 +342,11 @@ class OurLayer:
         layer = self.layer
         x2 = layer.process_sae_in(x).reshape(-1, layer.cfg.d_in)
         values, indices = layer.encode_sparse(x2)
-        context = layer._decode_context(x2)
+        context = layer.decode_context(x2)
         zero = torch.zeros(x2.shape[0], layer.cfg.d_out, dtype=layer.W_dec.dtype, device=x2.device)
-        rest = layer._output(zero, context)
+        rest = layer.output(zero, context)
         rows = layer.W_dec[indices] * values[..., None]  # a_n W_dec[n], [T, K, d_out]
-        vectors = torch.stack(
-            [layer._output(rows[:, j], context) - rest for j in range(rows.shape[1])], dim=1
-        )
+        vectors = torch.stack([layer.output(rows[:, j], context) - rest for j in range(rows.shape[1])], dim=1)
         return indices, values, vectors, rest
 
 

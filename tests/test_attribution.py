@@ -196,7 +196,7 @@ def test_report_writes_the_table_graph_and_one_page(tmp_path):
     )
 
 
-def test_the_study_compares_methods_at_the_same_blocks_and_its_numbers_are_the_attributions(tmp_path):
+def test_the_study_compares_architectures_at_the_same_blocks_and_its_numbers_are_the_attributions(tmp_path):
     from conftest import make_text_model
 
     from mxd_lens.attribution import replacement_summary
@@ -208,16 +208,23 @@ def test_the_study_compares_methods_at_the_same_blocks_and_its_numbers_are_the_a
 
     model, _ = make_text_model(tmp_path)
     saved = {}
-    for cls, seed in ((MxD, 1), (TopKTranscoder, 2)):
+    for cls, seed, options in ((MxD, 1, {}), (TopKTranscoder, 2, {}), (MxD, 3, {"gate": "topk"})):
         for block in (0, 1):
-            layer = randomise(cls.for_model(model, block, d_sae=12, k=3), seed + block, scale=0.3)
-            folder = tmp_path / "final" / f"{cls.__name__}.{block}"
+            layer = randomise(cls.for_model(model, block, d_sae=12, k=3, **options), seed + block, scale=0.3)
+            folder = tmp_path / "final" / f"{cls.__name__}.{block}{'.topk' if options else ''}"
             layer.save_model(folder)
-            saved[(cls, block)] = layer
+            if not options:
+                saved[(cls, block)] = layer
     prompts = ["the cat sat on a| mat| dogs", "birds sang songs of| rain"]
     study = AttributionStudy(layers=[str(tmp_path / "final")], k=3, prompts=prompts, top=2)
     table = run_attribution_study(model, study, tmp_path / "out", progress=False)
-    assert sorted(table.method) == ["mxd", "mxd", "transcoder", "transcoder"]
+    # one row per prompt and architecture key: two MxD gates at the same blocks are two architectures
+    assert sorted(table.arch) == ["mxd", "mxd", "mxd:gate=topk", "mxd:gate=topk", "transcoder", "transcoder"]
+    assert {p.name for p in (tmp_path / "out").iterdir() if p.is_dir()} >= {
+        "mxd",
+        "mxd-gate=topk",
+        "transcoder",
+    }
     assert set(table.blocks) == {"0,1"} and (table.completeness <= 1e-4).all()
     # the MxD row of the first prompt, by hand from attribute()
     with mxd_lens.splice(model, saved[(MxD, 0)], saved[(MxD, 1)], error_term=True):
@@ -226,7 +233,7 @@ def test_the_study_compares_methods_at_the_same_blocks_and_its_numbers_are_the_a
             "the cat sat on a",
             logit_target(model.to_single_token(" mat"), model.to_single_token(" dogs")),
         )
-    row = table[(table.method == "mxd")].iloc[0]
+    row = table[(table.arch == "mxd")].iloc[0]
     assert row.logit == "' mat' − ' dogs'" and row.target == pytest.approx(result.target)
     units = result.units.attribution
     error = result.parts[result.parts.kind == "error"].attribution.sum()
@@ -250,7 +257,9 @@ def test_the_study_compares_methods_at_the_same_blocks_and_its_numbers_are_the_a
         run_attribution_study(
             model, AttributionStudy(layers=study.layers, k=3, prompts=["the cat|hills green"]), progress=False
         )
-    with pytest.raises(ValueError, match=r"missing: \{'mxd': \[2\], 'transcoder': \[2\]\}"):
+    with pytest.raises(
+        ValueError, match=r"missing: \{'mxd': \[2\], 'mxd:gate=topk': \[2\], 'transcoder': \[2\]\}"
+    ):
         run_attribution_study(
             model, AttributionStudy(layers=study.layers, k=3, blocks=[0, 2], prompts=prompts), progress=False
         )

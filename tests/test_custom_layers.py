@@ -18,8 +18,8 @@ from test_activations import random_rows
 
 import mxd_lens
 from mxd_lens.activations import ModelActivations
-from mxd_lens.analysis.probing import layer_method
 from mxd_lens.cli import build_parser, main
+from mxd_lens.layers.registry import layer_arch
 from mxd_lens.training import LearnerSpec, TrainConfig, Trainer
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "custom_layers.md"
@@ -55,7 +55,7 @@ def test_the_documented_architecture_trains_folds_saves_and_loads(example, tmp_p
     trained = trainer.learners[name].layer
     assert float(trained.W_skip_v.detach().abs().sum()) > 0  # the skip path learned (it starts at zero)
 
-    # The saved layer reads raw activations: the normalisation is folded exactly (its _fold_dense).
+    # The saved layer reads raw activations: the normalisation is folded exactly (its fold_dense).
     s_in, s_out = trainer.scales[1]
     x, _ = next(source.shards())[1]
     loaded = SAE.load_from_disk(tmp_path / "final" / name)
@@ -73,7 +73,7 @@ def test_the_documented_architecture_trains_folds_saves_and_loads(example, tmp_p
     # refused before anything is opened (the cache "c" does not exist)
     with pytest.raises(SystemExit, match=f"--arch nope: not a key of mxd_lens.ARCHITECTURES .*'{KEY}'"):
         main(["train", "--out", str(tmp_path / "o"), "--cache", "c", "--epochs", "1", "--arch", "nope"])
-    assert layer_method(loaded) == KEY and mxd_lens.arch_label(KEY) == "Low-rank skip transcoder"
+    assert layer_arch(loaded) == KEY and mxd_lens.arch_label(KEY) == "Low-rank skip transcoder"
 
 
 def test_a_taken_name_is_refused(example):

@@ -164,7 +164,7 @@ def test_edited_codes_decode_as_the_dense_formula(name, x):
                 edited[:, 2] += 1.5
             else:  # every code non-zero: the dense fallback
                 edited = codes + 0.1
-            expected = layer._output(edited @ layer.W_dec, context)
+            expected = layer.output(edited @ layer.W_dec, context)
             given = {} if edited is codes else {"x": x}  # a new tensor needs its input
             torch.testing.assert_close(layer.decode(edited, **given), expected, rtol=1e-5, atol=1e-5)
 
@@ -280,3 +280,27 @@ def test_wrong_input_width_is_refused():
         layer(torch.randn(3, I + 1))
     with pytest.raises(ValueError, match=f"d_in={I}"):
         layer.encode(torch.randn(3, I + 1))
+
+
+def test_the_extension_points_are_public_and_overrides_are_marked():
+    """What a new architecture overrides (docs/custom_layers.md) has no leading underscore, and every
+    built-in layer marks its overrides with ``typing_extensions.override`` (issue 45)."""
+    import inspect
+    from pathlib import Path
+
+    from mxd_lens.layers import BUILT_IN, MLPReplacement
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "custom_layers.md").read_text()
+    for name in ("decode_context", "output", "aux_output", "fold_dense", "select_codes", "sparse_codes",
+                 "training_encode", "model_defaults", "init_dictionary"):  # fmt: skip
+        assert callable(getattr(MLPReplacement, name)) and f"{name}(" in doc, name
+    for layer_cls in BUILT_IN.values():
+        for cls in (layer_cls, layer_cls.config_class):
+            for name, value in vars(cls).items():
+                inherited = any(name in vars(base) for base in cls.__mro__[1:])
+                function = value.fget if isinstance(value, property) else getattr(value, "__func__", value)
+                dunder = name.startswith("__") and name != "__post_init__"  # dataclass-made methods
+                if not inherited or dunder or not inspect.isfunction(function):
+                    continue
+                marked = getattr(value, "__override__", False) or getattr(function, "__override__", False)
+                assert marked, f"{cls.__name__}.{name} lacks @override"

@@ -299,7 +299,12 @@ def test_probing_study_writes_its_tables_and_pairs_by_k(text_model, tmp_path):
     for name in ("probing.csv", "summary.csv", "paired.csv", "probing.json", "probing.png"):
         assert (tmp_path / "out" / name).is_file(), name
     table = pd.read_csv(tmp_path / "out/probing.csv")
-    assert set(table.label) >= {"MxD K=4", "Transcoder K=4"}
+    # layers by their architecture key and K; labels are for the printed text and the plot only
+    assert "label" not in table and "method" not in table
+    layers = table.dropna(subset=["arch"]).drop_duplicates("source").set_index("source")
+    assert layers.arch.to_dict() == {"mxd": "mxd", "tc": "transcoder"} and set(layers.K) == {4}
+    summary = pd.read_csv(tmp_path / "out/summary.csv", index_col="source")
+    assert summary.loc["mxd", "arch"] == "mxd" and summary.loc["tc", "K"] == 4
     # MxD minus the transcoder, by hand from the written table
     for k in (1, 2):
         acc = {
@@ -307,8 +312,26 @@ def test_probing_study_writes_its_tables_and_pairs_by_k(text_model, tmp_path):
             for s in ("mxd", "tc")
         }
         row = out["paired"][(out["paired"].k == k)].iloc[0]
-        assert row.comparison == "MxD - Transcoder" and row.K == 4
+        assert (row.arch, row.other_arch, row.a, row.b, row.K) == ("mxd", "transcoder", "mxd", "tc", 4)
         assert row.mean_difference == pytest.approx((acc["mxd"] - acc["tc"]).mean())
+
+    # tables written before the arch column read the same: `method` (the old name, the same keys), or
+    # only a label per layer ('MxD K=4')
+    from mxd_lens.analysis.probing import layer_sources
+    from mxd_lens.studies.probe.run import probing_result, read_probing_table
+
+    written = read_probing_table(tmp_path / "out")
+    assert layer_sources(written) == {"mxd": ("mxd", 4), "tc": ("transcoder", 4)}
+    labels = {"mxd": "MxD K=4", "tc": "Transcoder K=4"}
+    older = written.rename(columns={"arch": "method"})
+    oldest = written.drop(columns=["arch", "K"]).assign(
+        label=written.source.map(labels).fillna(written.source)
+    )
+    text = probing_result(written, {}).text
+    assert "MxD K=4" in text and "| MxD - Transcoder |" in text
+    for old in (older, oldest):
+        assert layer_sources(old) == layer_sources(written)
+        assert probing_result(old, {}).text == text
 
 
 def test_hf_sources_read_local_datasets_in_saebench_layouts(tmp_path):

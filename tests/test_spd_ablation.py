@@ -286,11 +286,13 @@ def test_real_model_study_end_to_end_on_toy_data(tmp_path):
     import lzma
     import random
 
+    import pandas as pd
     from conftest import WORDS, make_text_model
 
+    from mxd_lens.studies.report import write_result
     from mxd_lens.studies.spd_ablation import CONCEPTS
     from mxd_lens.studies.spd_ablation import SPDAblationOptions as RealModelStudy
-    from mxd_lens.studies.spd_ablation.run import CORPUS, run_real_model_study
+    from mxd_lens.studies.spd_ablation.run import CORPUS, ablation_result, run_real_model_study
 
     model, _ = make_text_model(tmp_path)
     rng = random.Random(0)
@@ -312,23 +314,38 @@ def test_real_model_study_end_to_end_on_toy_data(tmp_path):
     study = RealModelStudy(data=str(tmp_path / "data"), block=1, context_size=12, train_rows=28, C=8, steps=3,
                            batch_size=4, ci="token", ci_hidden=4, score_rows=4, eval_rows=7, n_random=2)  # fmt: skip
     out = run_real_model_study(model, study, tmp_path / "out", command="test")
+    result = ablation_result(out)
+    write_result(result, tmp_path / "out")
     for name in (
         "decomposition.json",
         "scores.json",
         "ablation.json",
         "by_ci.json",
         "ablation.png",
-        "RESULTS.md",
+        "ablation_effects.csv",
+        "by_ci.csv",
     ):
         assert (tmp_path / "out" / name).is_file(), name
+    assert not (tmp_path / "out/RESULTS.md").exists()  # tables and numbers only: no written reading
     selection = out["scores"]["selection_scores"]
     assert out["ablation"]["chosen"] == max(selection, key=selection.get)
-    text = (tmp_path / "out/RESULTS.md").read_text()
     table = [
         line
-        for line in text.splitlines()
+        for line in result.text.splitlines()
         if line.startswith("| ") and (" top1 [" in line or " top3 [" in line)
     ]
     assert len(table) == len(CONCEPTS) * 2 * 3  # concept x top-1/3 x text set
+    # the CSV holds the numbers of ablation.json, one row per concept x top-k x text set
+    rows = pd.read_csv(tmp_path / "out/ablation_effects.csv")
+    assert len(rows) == len(CONCEPTS) * 2 * 3 and rows.chosen.sum() == 2 * 3
+    chosen = out["ablation"]["chosen"]
+    first = rows[(rows.concept == chosen) & (rows.k == 1) & (rows.set == "target")].iloc[0]
+    effect = out["ablation"]["results"][chosen]["top1"]["effects"]["target"]
+    assert first.delta_ce == pytest.approx(effect["delta_ce"]) and first.kl == pytest.approx(effect["kl"])
+    by_ci = pd.read_csv(tmp_path / "out/by_ci.csv")
+    assert len(by_ci) == 2 * 2 and set(by_ci.ci) == {"on", "off"}
+    assert by_ci.n.sum() == sum(
+        v["top1"][p]["n"] for v in out["by_ci"]["sets"].values() for p in ("on", "off")
+    )
     again = run_real_model_study(model, study, tmp_path / "out", command="test")
     assert again["ablation"] == out["ablation"]

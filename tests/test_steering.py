@@ -108,9 +108,7 @@ def test_generation_scorers_and_sweep(tmp_path):
     with mxd_lens.splice(model, layer), pytest.raises(RuntimeError, match="clean model"):
         steering.PerplexityScorer(model)(g1)
     # a sweep: one row per (target, multiple), scorers run on the clean model
-    targets = [
-        {"name": "tc", "method": "Transcoder", "task": "t", "layer": layer, "feature": 2, "scale": 1.0}
-    ]
+    targets = [{"name": "tc", "arch": "transcoder", "task": "t", "layer": layer, "feature": 2, "scale": 1.0}]
     table = steering.sweep(
         model, targets, [0, 50], [steering.PerplexityScorer(model)], prompt="the cat", n_samples=2,
         max_new_tokens=3, progress=False,
@@ -215,6 +213,7 @@ def test_steering_study_end_to_end_on_a_toy_suite(tmp_path, monkeypatch):
                                    samples=2, new_tokens=3, context_size=12, context_tokens=256)  # fmt: skip
     table = run_study("steer", model, study, tmp_path / "out").table
     assert sorted(table.name) == ["mxd", "mxd", "tc", "tc"] and (table.scale > 0).all()
+    assert dict(zip(table.name, table.arch, strict=True)) == {"mxd": "mxd", "tc": "transcoder"}  # keys
     zero = table[table.multiple == 0].set_index("name")
     assert zero.loc["mxd", "example"] == zero.loc["tc", "example"]
     assert zero.loc["mxd", "concept"] == pytest.approx(zero.loc["tc", "concept"])
@@ -232,18 +231,26 @@ def test_summary_markdown_pivots_cells_and_counts_usable_features():
     import pandas as pd
 
     rows = []
-    # two MxD layers share a method: each gets its own row, labelled by name
-    for name, method, concept in [("a", "MxD", [0.0, 0.2, 0.5]), ("b", "MxD", [0.0, 0.05, 0.3]),
-                                  ("t", "Transcoder", [0.0, 0.0, 0.0])]:  # fmt: skip
+    # rows name the architecture by its key; two MxD layers of one architecture each get their own row,
+    # labelled by name, and another MxD gate is another architecture, labelled by the registry
+    for name, arch, concept in [("a", "mxd", [0.0, 0.2, 0.5]), ("b", "mxd", [0.0, 0.05, 0.3]),
+                                ("g", "mxd:gate=topk", [0.0, 0.0, 0.1]),
+                                ("t", "transcoder", [0.0, 0.0, 0.0])]:  # fmt: skip
         for task in ["x/1", "y/2"]:
             for m, c, ppl in zip([0.0, 2.0, 8.0], concept, [40.0, 100.0, 900.0], strict=True):
-                rows.append(dict(task=task, method=method, name=name, feature=7, multiple=m,
+                rows.append(dict(task=task, arch=arch, name=name, feature=7, multiple=m,
                                  concept=c, perplexity=ppl))  # fmt: skip
-    text = steering.summary_markdown(pd.DataFrame(rows))
+    table = pd.DataFrame(rows)
+    text = steering.summary_markdown(table)
     lines = text.splitlines()
     assert lines[0] == "| task | layer (feature) | 0× | 2× | 8× |"
     assert "| x/1 | a (7) | 0.000 / 40 | 0.200 / 100 | 0.500 / 900 |" in lines
     assert "| y/2 | Transcoder (7) | 0.000 / 40 | 0.000 / 100 | 0.000 / 900 |" in lines
-    # a reaches 0.2 at perplexity 100 on both tasks; b only at perplexity 900 (> 500); t never
-    assert lines[-1].endswith("a 2/2, b 0/2, Transcoder 0/2")
-    assert list(steering._labels(pd.DataFrame(rows)).unique()) == ["a", "b", "Transcoder"]
+    # a reaches 0.2 at perplexity 100 on both tasks; b only at perplexity 900 (> 500); g and t never
+    assert lines[-1].endswith("a 2/2, b 0/2, MxD (gate=topk) 0/2, Transcoder 0/2")
+    assert list(steering._labels(table).unique()) == ["a", "b", "MxD (gate=topk)", "Transcoder"]
+    # a steering.csv written before the arch column: `method`, the class's label, shown as it is
+    old = table[table.arch != "mxd:gate=topk"].drop(columns="arch")
+    old.insert(1, "method", old.name.map({"a": "MxD", "b": "MxD", "t": "Transcoder"}))
+    assert list(steering._labels(old).unique()) == ["a", "b", "Transcoder"]
+    assert steering.summary_markdown(old).splitlines()[-1].endswith("a 2/2, b 0/2, Transcoder 0/2")

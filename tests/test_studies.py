@@ -118,6 +118,11 @@ def test_the_report_writer_writes_every_part_and_renders_by_the_column_specs(tmp
     assert [c.strip() for c in first.strip("|").split("|")] == ["a", "+0.0123 ± 0.0010", "25%", "1,234,567"]
     assert [c.strip() for c in second.strip("|").split("|")] == ["b", "-0.5000 ± 0.0200", "0%", "12"]
     assert Column("x", format="{:.2f}").render(float("nan")) == ""
+    # tables hold architecture keys; the rendered table shows their labels
+    keyed = pd.DataFrame({"arch": ["mxd:gate=topk", "transcoder"], "kl": [0.01, 0.02]})
+    rendered = render_table(keyed, columns("arch", "kl")).splitlines()
+    assert [c.strip() for c in rendered[2].strip("|").split("|")] == ["MxD (gate=topk)", "0.0100"]
+    assert rendered[0].strip("|").split("|")[0].strip() == "architecture" and "Transcoder" in rendered[3]
 
 
 def test_each_metric_is_described_once_and_each_architecture_label_only_in_the_registry():

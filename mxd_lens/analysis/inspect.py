@@ -28,7 +28,8 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from mxd_lens import hooks
-from mxd_lens.layers.base import MLPReplacement, _atomic_write
+from mxd_lens.fileio import atomic_write
+from mxd_lens.layers.base import MLPReplacement
 
 COLUMNS = ("feature", "rank", "activation", "token", "left", "right", "row", "position")
 DTYPES = {"activation": "float64", "token": "object", "left": "object", "right": "object"}
@@ -300,7 +301,7 @@ def to_html(df: pd.DataFrame, title: str, path: str | Path | None = None) -> str
     parts.append("</body></html>\n")
     page = "\n".join(parts)
     if path is not None:
-        _atomic_write(Path(path), lambda tmp: Path(tmp).write_text(page, encoding="utf-8"))
+        atomic_write(Path(path), lambda tmp: Path(tmp).write_text(page, encoding="utf-8"))
     return page
 
 

@@ -445,33 +445,55 @@ def run_probing(
     return pd.DataFrame(rows), fitted
 
 
-def layer_method(layer: MLPReplacement) -> str:
-    """The layer's architecture key with its options (``mxd``, ``mxd:gate=topk``), as rows name it."""
-    from mxd_lens.layers.registry import layer_arch
-
-    return layer_arch(layer)
-
-
-def layer_sources(table: pd.DataFrame) -> dict[str, tuple[str, int]]:
-    """{source: (architecture key, K)} of the layers' rows of a probing table (columns ``method`` and
-    ``K``; tables written before those existed name the layer by its label, 'MxD K=32', read here)."""
-    if "method" not in table:  # an older table: the label, read back through the registry
+def arch_columns(table: pd.DataFrame) -> pd.DataFrame:
+    """``table`` with the ``arch`` and ``K`` columns of a probing table, also when it was written before
+    they existed: ``method`` is the old name of ``arch`` (the same keys), and older tables still name a
+    layer only by its label, 'MxD K=32', read back here through the registry."""
+    table = table.copy()
+    if "method" in table:
+        method = table.pop("method")
+        table["arch"] = table["arch"].fillna(method) if "arch" in table else method
+    if "label" in table:
         from mxd_lens.layers import ARCHITECTURES
 
         keys = {cls.label: key for key, cls in ARCHITECTURES.items()}
-        table = table.assign(method=None, K=None)
-        for i, label in table.label.items():
-            name, sep, K = str(label).rpartition(" K=")
-            if sep and name in keys:
-                table.loc[i, ["method", "K"]] = keys[name], int(K)
-    rows = table.dropna(subset=["method"]).drop_duplicates("source")
-    return {s: (m, int(K)) for s, m, K in zip(rows.source, rows.method, rows.K, strict=True)}
+        name, sep, K = (table.label.astype(str).str.rpartition(" K=")[i] for i in range(3))
+        for column in ("arch", "K"):
+            if column not in table:
+                table[column] = None
+        read = (sep != "") & name.isin(keys) & table["arch"].isna()
+        table.loc[read, "arch"] = name[read].map(keys)
+        table.loc[read, "K"] = K[read].astype(int)
+    return table
 
 
-def _family(method: str) -> str:
+def layer_sources(table: pd.DataFrame) -> dict[str, tuple[str, int]]:
+    """{source: (architecture key, K)} of the layers' rows of a probing table (:func:`arch_columns`)."""
+    table = arch_columns(table)
+    if "arch" not in table:
+        return {}
+    rows = table.dropna(subset=["arch"]).drop_duplicates("source")
+    return {s: (a, int(K)) for s, a, K in zip(rows.source, rows.arch, rows.K, strict=True)}
+
+
+def source_label(source: str, layers: Mapping[str, tuple[str, int]]) -> str:
+    """How a rendered table or plot names a probing source: a layer by its architecture's label and K
+    (``MxD (gate=topk) K=32``; ``layers`` as :func:`layer_sources` gives them), the MLP's neurons as
+    such, a dense source by its name."""
+    from mxd_lens.layers import arch_label
+
+    if source in layers:
+        arch, K = layers[source]
+        return f"{arch_label(arch)} K={K}"
+    if source.startswith(NEURONS + "."):
+        return f"MLP neurons ({source.split('.')[-1]})"
+    return source
+
+
+def _family(arch: str) -> str:
     from mxd_lens.layers import parse_arch
 
-    return parse_arch(method)[0]
+    return parse_arch(arch)[0]
 
 
 def summarize(table: pd.DataFrame, protocol: str = "saebench", metric: str = "test_accuracy") -> pd.DataFrame:
@@ -535,20 +557,18 @@ def plot_probing(
     neuron_stats = neurons.groupby("k")["test_accuracy"].agg(["mean", "std", "count"])
     table = table[table.source.isin(layers) | (table.k == "all")]
     sparse = table[table.k != "all"].copy()
-    sparse["method"] = [arch_label(layers[s][0]) for s in sparse.source]
+    sparse["shown"] = [arch_label(layers[s][0]) for s in sparse.source]  # the legend: labels, not keys
     sparse["K"] = [layers[s][1] for s in sparse.source]
     dense = table[table.k == "all"].groupby("source")["test_accuracy"].mean()
     Ks = sorted(sparse.K.unique())
     fig = Figure(figsize=(4.2 * len(Ks), 3.8), layout="tight")
     axes = fig.subplots(1, len(Ks), sharey=True, squeeze=False)
     for ax, K in zip(axes[0], Ks, strict=True):
-        stats = sparse[sparse.K == K].groupby(["method", "k"])["test_accuracy"]
+        stats = sparse[sparse.K == K].groupby(["shown", "k"])["test_accuracy"]
         group = stats.mean().rename("mean").to_frame()
         group["se"] = stats.std(ddof=1) / stats.count() ** 0.5
-        for method, rows in group.reset_index().groupby("method"):
-            ax.errorbar(
-                rows.k.astype(int), rows["mean"], yerr=rows["se"], marker="o", capsize=3, label=method
-            )
+        for shown, rows in group.reset_index().groupby("shown"):
+            ax.errorbar(rows.k.astype(int), rows["mean"], yerr=rows["se"], marker="o", capsize=3, label=shown)
         if len(neuron_stats):
             ks_n = neuron_stats.index.astype(int)
             ax.errorbar(ks_n, neuron_stats["mean"], yerr=neuron_stats["std"] / neuron_stats["count"] ** 0.5,
@@ -568,22 +588,19 @@ def plot_probing(
 
 def paired_comparisons(table: pd.DataFrame, layers: Mapping[str, tuple[str, int]]) -> pd.DataFrame:
     """Each MxD (any gate) against each layer of another architecture at the same K: ``paired_difference``
-    per k, one block per pair. ``layers``: {source: (architecture key, K)}."""
+    per k, one block per pair, its two layers named by their sources (``a``, ``b``) and architecture keys
+    (``arch``, ``other_arch``). ``layers``: {source: (architecture key, K)}."""
     import pandas as pd
 
-    from mxd_lens.layers import arch_label
-
     frames = []
-    for source, (method, K) in layers.items():
-        if _family(method) != "mxd":
+    for source, (arch, K) in layers.items():
+        if _family(arch) != "mxd":
             continue
         for other_source, (other, other_K) in layers.items():
             if other_K == K and _family(other) != "mxd":
                 frame = paired_difference(table, source, other_source)
-                frames.append(
-                    frame.assign(K=int(K), comparison=f"{arch_label(method)} - {arch_label(other)}")
-                )
+                frames.append(frame.assign(K=int(K), arch=arch, other_arch=other, a=source, b=other_source))
     if not frames:
         return pd.DataFrame()
-    cols = ["K", "comparison", "k", "mean_difference", "se", "a_wins", "b_wins", "tasks"]
-    return pd.concat(frames)[cols].sort_values(["K", "comparison", "k"])
+    cols = ["K", "arch", "other_arch", "a", "b", "k", "mean_difference", "se", "a_wins", "b_wins", "tasks"]
+    return pd.concat(frames)[cols].sort_values(["K", "arch", "other_arch", "a", "b", "k"])

@@ -251,7 +251,7 @@ def sweep(
 def plot_sweep(
     table: pd.DataFrame, path: str | Path | None = None, concept: str = "concept", fluency: str = "perplexity"
 ) -> Any:
-    """Concept strength against fluency, one line per (method, task) along increasing alpha (the
+    """Concept strength against fluency, one line per (layer, task) along increasing alpha (the
     paper's steerability-vs-coherence picture), with one panel per task. Returns the Figure (saved
     to ``path`` when given)."""
     from matplotlib.figure import Figure
@@ -285,13 +285,20 @@ def plot_sweep(
 
 
 def _labels(table: pd.DataFrame) -> pd.Series:
-    """One label per steered layer: its method, or its name where several layers share a method (three
-    MxD gates in one sweep would otherwise be drawn as one line)."""
-    if "name" not in table or "method" not in table:
-        return table["method"] if "method" in table else table["name"]
-    per_method = table.groupby("method")["name"].nunique()
-    shared = set(per_method[per_method > 1].index)
-    return table.apply(lambda r: r["name"] if r["method"] in shared else r["method"], axis=1)
+    """One label per steered layer: its architecture's (``arch_label`` of the ``arch`` column's key), or
+    its name where several layers share an architecture (two seeds would otherwise be drawn as one line).
+    Tables written before the ``arch`` column have ``method``, the layer class's label ("MxD"), shown as
+    it is (``arch_label`` leaves a string that is no key unchanged)."""
+    from mxd_lens.layers import arch_label
+
+    column = "arch" if "arch" in table else "method" if "method" in table else None
+    if column is None:
+        return table["name"]
+    if "name" not in table:
+        return table[column].map(arch_label)
+    per_arch = table.groupby(column)["name"].nunique()
+    shared = set(per_arch[per_arch > 1].index)
+    return table.apply(lambda r: r["name"] if r[column] in shared else arch_label(r[column]), axis=1)
 
 
 def summary_markdown(

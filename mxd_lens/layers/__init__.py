@@ -1,12 +1,14 @@
-"""Our layers: each a SAELens ``SAE`` subclass with its config, in the one architecture table."""
+"""Our layers: each a SAELens ``SAE`` subclass with its config, in the one architecture table.
 
-from mxd_lens import LAYER_NAMES
+A built-in architecture is its file (the layer and its config class) and, here, the line importing both,
+its entry in ``BUILT_IN`` and their two names in ``__all__`` (the one list of names: ``mxd_lens`` resolves
+its layer names from it).
+"""
 
-# Re-exported (``__all__`` is ``mxd_lens.LAYER_NAMES``, so the top-level lazy namespace and this one agree):
-from mxd_lens.layers.base import LayerConfig, MLPReplacement  # noqa: F401
-from mxd_lens.layers.batchtopk import BatchTopKTranscoder, BatchTopKTranscoderConfig  # noqa: F401
-from mxd_lens.layers.mxd import MxD, MxDConfig  # noqa: F401
-from mxd_lens.layers.registry import (  # noqa: F401
+from mxd_lens.layers.base import LayerConfig, MLPReplacement
+from mxd_lens.layers.batchtopk import BatchTopKTranscoder, BatchTopKTranscoderConfig
+from mxd_lens.layers.mxd import MxD, MxDConfig
+from mxd_lens.layers.registry import (
     ARCHITECTURES,
     arch_label,
     architecture_key,
@@ -15,14 +17,14 @@ from mxd_lens.layers.registry import (  # noqa: F401
     parse_arch,
     register_architecture,
 )
-from mxd_lens.layers.transcoder import (  # noqa: F401
+from mxd_lens.layers.transcoder import (
     TopKSkipTranscoder,
     TopKSkipTranscoderConfig,
     TopKTranscoder,
     TopKTranscoderConfig,
 )
 
-BUILT_IN = {
+BUILT_IN: dict[str, type[MLPReplacement]] = {
     "mxd": MxD,
     "transcoder": TopKTranscoder,
     "skip_transcoder": TopKSkipTranscoder,
@@ -42,5 +44,24 @@ def register() -> None:
 
 register()  # importing the layers registers them: `import mxd_lens` arranges it when SAELens loads
 
-
-__all__ = list(LAYER_NAMES)
+__all__ = [  # what ``mxd_lens`` resolves from here (tests/test_imports.py: every BUILT_IN class and config)
+    "ARCHITECTURES",
+    "BUILT_IN",
+    "BatchTopKTranscoder",
+    "BatchTopKTranscoderConfig",
+    "LayerConfig",
+    "MLPReplacement",
+    "MxD",
+    "MxDConfig",
+    "TopKSkipTranscoder",
+    "TopKSkipTranscoderConfig",
+    "TopKTranscoder",
+    "TopKTranscoderConfig",
+    "arch_label",
+    "architecture_key",
+    "format_arch",
+    "get_architecture",
+    "parse_arch",
+    "register",
+    "register_architecture",
+]

@@ -6,8 +6,10 @@ A layer maps the MLP input x [..., d_in] to the MLP output y [..., d_out] throug
     y     = decode(codes)        # uses what the matching encode stashed (MxD: z; skip: x)
     y     = forward(x)           # == decode(encode(x)), bit for bit, without the dense codes
 
-Subclasses say what decode needs from x (``_decode_context``) and how the K-row mixture
-``sum_n a_n W_dec[n]`` becomes the output (``_output``). Everything else lives here.
+Subclasses say what decode needs from x (``decode_context``) and how the K-row mixture
+``sum_n a_n W_dec[n]`` becomes the output (``output``); the other methods a new architecture may
+override are grouped under "what subclasses provide" below (docs/custom_layers.md). Everything else
+lives here.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from sae_lens import SAE, SAEConfig
 from sae_lens.constants import SAE_CFG_FILENAME, SAE_WEIGHTS_FILENAME
 from safetensors.torch import save_file
 from torch import nn
+from typing_extensions import override
 
 from mxd_lens import fileio
 from mxd_lens.layers import ops
@@ -43,10 +46,13 @@ class LayerConfig(SAEConfig):
     # fields that make a variant of the architecture (MxD's gate): shown in learner names and labels
     variant_fields: ClassVar[tuple[str, ...]] = ()
 
+    @override
     @classmethod
     def architecture(cls) -> str:  # pragma: no cover - abstract in spirit
+        """The SAELens architecture name written to ``cfg.json`` (namespace it: ``my_project.layer``)."""
         raise NotImplementedError
 
+    @override
     def __post_init__(self) -> None:
         for name in ("d_in", "d_out", "d_sae"):
             value = getattr(self, name)
@@ -130,29 +136,20 @@ class MLPReplacement(SAE[C]):
             "dtype": str(model.cfg.dtype).removeprefix("torch."),
             "device": str(model.cfg.device or "cpu"),
             "metadata": hooks.layer_metadata(model, block, writes),
-            **cls._model_defaults(model),
+            **cls.model_defaults(model),
             **cfg_fields,
         }
         return cls(cls.config_class(**fields))
 
-    @classmethod
-    def _model_defaults(cls, model: Any) -> dict[str, Any]:
-        return {}
-
-    @classmethod
-    def config_for_stream(cls, info: Any, width: int, **common: Any) -> LayerConfig:
-        """The config of a layer for an activation stream (``info``: an ``activations.StreamInfo``)
-        costing about as many parameters as a TopK transcoder of ``width`` latents; ``common`` are the
-        fields every layer has (d_in, d_out, k, dtype, device, metadata). Default: ``width`` units."""
-        return cls.config_class(d_sae=width, **common)
-
+    @override
     @classmethod
     def get_sae_config_class_for_architecture(cls, architecture: str) -> type[SAEConfig]:
         return _registry()[architecture][1]
 
-    def _init_dictionary(self, zero_decoder: bool = False) -> None:
-        """The parameters every layer has: the TopK encoder (W_enc as ``nn.Linear`` would draw it,
-        b_enc = 0) and the dictionary W_dec (uniform(-1, 1) rows scaled to unit norm, or zero), b_dec = 0."""
+    def init_dictionary(self, zero_decoder: bool = False) -> None:
+        """Create the parameters every layer has (call it from ``initialize_weights``): the TopK encoder
+        W_enc (d_in, d_sae) as ``nn.Linear`` would draw it, b_enc (d_sae,) = 0, and the dictionary W_dec
+        (d_sae, d_out) (uniform(-1, 1) rows scaled to unit norm, or zero), b_dec (d_out,) = 0."""
         cfg, kw = self.cfg, {"dtype": self.dtype, "device": self.device}
         self.W_enc = nn.Parameter(uniform_(torch.empty(cfg.d_in, cfg.d_sae, **kw), cfg.d_in**-0.5))
         self.b_enc = nn.Parameter(torch.zeros(cfg.d_sae, **kw))
@@ -162,7 +159,21 @@ class MLPReplacement(SAE[C]):
         self.W_dec = nn.Parameter(W_dec)
         self.b_dec = nn.Parameter(torch.zeros(cfg.d_out, **kw))
 
-    # -- what subclasses provide ---------------------------------------------------------------
+    # -- what subclasses provide (the extension points: docs/custom_layers.md) ------------------
+    @classmethod
+    def config_for_stream(cls, info: Any, width: int, **common: Any) -> LayerConfig:
+        """The config of a layer for an activation stream (``info``: an ``activations.StreamInfo``)
+        costing about as many parameters as a TopK transcoder of ``width`` latents; ``common`` are the
+        fields every layer has (d_in, d_out, k, dtype, device, metadata). Default: ``width`` units."""
+        return cls.config_class(d_sae=width, **common)
+
+    @classmethod
+    def model_defaults(cls, model: Any) -> dict[str, Any]:
+        """Config fields that ``for_model`` reads from the host ``model`` (a HookedTransformer) besides
+        the widths, dtype, device and hook metadata (MxD: the hidden width, activation, MLP form).
+        Nothing by default."""
+        return {}
+
     @property
     def relu_codes(self) -> bool:
         """True when the codes are TopK(ReLU(x W_enc + b_enc)) (non-negative; every built-in layer by
@@ -179,7 +190,8 @@ class MLPReplacement(SAE[C]):
     weights (a trainer's ``init="mlp"`` warm start; MxD's hidden layer)."""
 
     def copy_hidden_from_mlp(self, model: Any, block: int) -> MLPReplacement:
-        """Set the layer's dense path to block ``block``'s MLP weights (where ``copies_host_mlp``)."""
+        """In place: set the layer's dense path to block ``block``'s MLP weights (where
+        ``copies_host_mlp``; refused otherwise). Returns self."""
         raise ValueError(
             f"{type(self).__name__} has no dense path to copy the host MLP into; use init='default'"
         )
@@ -192,70 +204,69 @@ class MLPReplacement(SAE[C]):
 
     @torch.no_grad()
     def after_step(self, values: torch.Tensor, indices: torch.Tensor) -> dict[str, float]:
-        """Called by the trainer after each optimiser step with that step's codes (values, indices
-        [T, K]), outside the gradient: where a layer adjusts state that no loss trains (MxD's usage
-        controller and gate standardisation). Returns metrics to log (none by default)."""
+        """Called by the trainer after each optimiser step, outside the gradient: where a layer adjusts
+        state that no loss trains (MxD's usage controller and gate standardisation, the BatchTopK
+        threshold).
+
+        values, indices: (T, k'), the step's codes as ``training_encode`` chose them -> metrics to log
+        (none by default)."""
         return {}
 
-    def _decode_context(self, x: torch.Tensor) -> Any:
-        """What decode needs from the input x [T, d_in] besides the codes."""
+    def decode_context(self, x: torch.Tensor) -> Any:
+        """What decode needs from the input besides the codes: None by default (a layer whose output
+        needs nothing from x also sets the class attribute ``needs_decode_context = False``).
+
+        x: (T, d_in), after ``process_sae_in`` -> anything ``output`` takes, e.g. a (T, d_out) tensor
+        (MxD: the hidden layer's z D; the skip transcoder: x itself)."""
         return None
 
-    def _output(self, mixture: torch.Tensor, context: Any) -> torch.Tensor:
-        """The layer output from ``mixture = codes @ W_dec`` [T, d_out] and the decode context."""
+    def output(self, mixture: torch.Tensor, context: Any) -> torch.Tensor:
+        """The layer output from the codes' decoder mixture and the decode context.
+
+        mixture: (T, d_out), ``sum_n a_n W_dec[n]`` over each token's codes; context: what
+        ``decode_context`` returned for the same T tokens -> (T, d_out)."""
         raise NotImplementedError
 
-    # -- the SAELens contract ------------------------------------------------------------------
-    def process_sae_in(self, sae_in: torch.Tensor) -> torch.Tensor:
-        if sae_in.shape[-1] != self.cfg.d_in:
-            raise ValueError(
-                f"{type(self).__name__} expects inputs of width d_in={self.cfg.d_in}, got shape "
-                f"{tuple(sae_in.shape)}; feed it the MLP input of the layer it was built for"
-            )
-        sae_in = sae_in.to(self.dtype)
-        return self.hook_sae_input(sae_in)
+    def aux_output(self, mixture: torch.Tensor, context: Any) -> torch.Tensor:
+        """What the AuxK units' mixture adds to the output (no bias), for the AuxK loss: the mixture
+        itself by default; MxD modulates it by its hidden layer, held fixed.
 
-    def encode(self, x: torch.Tensor) -> torch.Tensor:
-        """Dense codes [..., d_sae] with at most K non-zeros: TopK_K(ReLU(x W_enc + b_enc)) (without the
-        ReLU where ``relu_codes`` is False)."""
-        x = self.process_sae_in(x)
-        lead, x2 = x.shape[:-1], x.reshape(-1, self.cfg.d_in)
-        pre = torch.addmm(self.b_enc, x2, self.W_enc).reshape(*lead, self.cfg.d_sae)
-        pre = self.hook_sae_acts_pre(pre)
-        values, indices = self._select(pre)
-        codes = torch.zeros_like(pre).scatter(-1, indices, values)
-        out = self.hook_sae_acts_post(codes)
-        self._stash = _Stash(
-            lead_shape=lead,
-            context=self._decode_context(x2) if self.needs_decode_context else None,
-            returned=weakref.ref(out),
-            # inference tensors (TL's generate) have no version counter to detect in-place edits:
-            # decode them by their non-zeros instead of trusting the indices chosen here
-            topk=out is codes and not out.is_inference(),
-            codes_version=-1 if out.is_inference() else out._version,
-            indices=indices.reshape(-1, indices.shape[-1]),
-        )
-        return out
+        mixture: (T, d_out), ``sum_n a_n W_dec[n]`` over the AuxK units; context: ``decode_context``'s
+        -> (T, d_out)."""
+        return mixture
 
-    def _select(self, pre: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The codes among the pre-activations ``pre`` [..., d_sae] (after their hook) as (values,
-        indices) [..., k'], differentiable in ``pre``: encode's selection. Default: TopK_K(ReLU(pre))
-        (no ReLU where ``relu_codes`` is False). A layer with another selection overrides this,
-        ``_sparse_codes`` and ``_train_encode`` alike."""
+    def fold_dense(self, input_scale: float, output_scale: float) -> None:
+        """In place, for ``fold_activation_scales``: the parameters outside the TopK dictionary, trained
+        to map ``input_scale * x`` to ``output_scale * y``, made to map raw x to raw y (the base class
+        has already divided the codes by ``output_scale``). Nothing to fold by default."""
+
+    def select_codes(self, pre: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``encode``'s selection of the codes among the pre-activations (after their hook),
+        differentiable in ``pre``. Default: TopK_K(ReLU(pre)) (no ReLU where ``relu_codes`` is False).
+        A layer with another selection overrides this, ``sparse_codes`` and ``training_encode`` alike.
+
+        pre: (..., d_sae) -> (values, indices), each (..., k'); k' = K by default."""
         values, indices = pre.topk(self.cfg.k, dim=-1, sorted=True)
         return (values.clamp_min(0.0) if self.relu_codes else values), indices
 
-    def _sparse_codes(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The codes of inputs x [T, d_in] as (values, indices) [T, k'] from the sparse encoder (one
-        matmul, a backward through the selected entries only): what forward, forward_sparse and
-        encode_sparse use. Default: TopK, k' = K."""
+    def sparse_codes(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The codes from the sparse encoder (one matmul, a backward through the selected entries only):
+        what ``forward``, ``forward_sparse`` and ``encode_sparse`` use. Default: TopK.
+
+        x: (T, d_in), after ``process_sae_in`` -> (values, indices), each (T, k'); k' = K by default
+        (a variable number per token: padded with zero values)."""
         return ops.topk_encode(x, self.W_enc, self.b_enc, self.cfg.k, relu=self.relu_codes)[:2]
 
-    def _train_encode(
+    def training_encode(
         self, x: torch.Tensor, aux_mask: torch.Tensor | None, k_aux: int, pre_moments: list | None
     ) -> ops.EncoderOutput:
-        """The training batch's codes (and AuxK selection) for x [T, d_in]: ``training_forward_pass``'s
-        encoder. Default: the same TopK as at inference."""
+        """``training_forward_pass``'s encoder: the training batch's codes and the AuxK selection.
+        Default: the same TopK as at inference.
+
+        x: (T, d_in); aux_mask: (d_sae,) bool, the dead units AuxK may pick (None: no AuxK); k_aux: how
+        many; pre_moments: a list to append the per-unit (mean, mean square) (d_sae,) of the
+        pre-activations to (None: not wanted) -> ``ops.EncoderOutput`` with values, indices (T, k') and
+        aux_values, aux_indices (T, k_aux)."""
         return ops.topk_encode(
             x,
             self.W_enc,
@@ -267,6 +278,41 @@ class MLPReplacement(SAE[C]):
             pre_moments=pre_moments,
         )
 
+    # -- the SAELens contract ------------------------------------------------------------------
+    @override
+    def process_sae_in(self, sae_in: torch.Tensor) -> torch.Tensor:
+        if sae_in.shape[-1] != self.cfg.d_in:
+            raise ValueError(
+                f"{type(self).__name__} expects inputs of width d_in={self.cfg.d_in}, got shape "
+                f"{tuple(sae_in.shape)}; feed it the MLP input of the layer it was built for"
+            )
+        sae_in = sae_in.to(self.dtype)
+        return self.hook_sae_input(sae_in)
+
+    @override
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        """Dense codes [..., d_sae] with at most K non-zeros: TopK_K(ReLU(x W_enc + b_enc)) (without the
+        ReLU where ``relu_codes`` is False)."""
+        x = self.process_sae_in(x)
+        lead, x2 = x.shape[:-1], x.reshape(-1, self.cfg.d_in)
+        pre = torch.addmm(self.b_enc, x2, self.W_enc).reshape(*lead, self.cfg.d_sae)
+        pre = self.hook_sae_acts_pre(pre)
+        values, indices = self.select_codes(pre)
+        codes = torch.zeros_like(pre).scatter(-1, indices, values)
+        out = self.hook_sae_acts_post(codes)
+        self._stash = _Stash(
+            lead_shape=lead,
+            context=self.decode_context(x2) if self.needs_decode_context else None,
+            returned=weakref.ref(out),
+            # inference tensors (TL's generate) have no version counter to detect in-place edits:
+            # decode them by their non-zeros instead of trusting the indices chosen here
+            topk=out is codes and not out.is_inference(),
+            codes_version=-1 if out.is_inference() else out._version,
+            indices=indices.reshape(-1, indices.shape[-1]),
+        )
+        return out
+
+    @override
     def decode(self, feature_acts: torch.Tensor, x: torch.Tensor | None = None) -> torch.Tensor:
         """The output [..., d_out] for codes [..., d_sae] (edited codes are fine: steering).
 
@@ -292,7 +338,7 @@ class MLPReplacement(SAE[C]):
                         f"{type(self).__name__}.decode got codes for batch shape {tuple(lead)} and an input "
                         f"of batch shape {tuple(x.shape[:-1])}"
                     )
-                context = self._decode_context(x.reshape(-1, self.cfg.d_in))
+                context = self.decode_context(x.reshape(-1, self.cfg.d_in))
             elif mine:
                 context = stash.context
             else:
@@ -311,9 +357,10 @@ class MLPReplacement(SAE[C]):
                 mixture = ops.decode_dense(codes, self.W_dec)
             else:
                 mixture = ops.decode_rows(sparse[0], sparse[1], self.W_dec)
-        out = self.hook_sae_recons(self._output(mixture, context))
+        out = self.hook_sae_recons(self.output(mixture, context))
         return out.reshape(*lead, self.cfg.d_out)
 
+    @override
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The layer output, equal to ``decode(encode(x))`` but never building the dense codes."""
         if self.use_error_term:
@@ -333,9 +380,9 @@ class MLPReplacement(SAE[C]):
         what a trainer needs (the output and which units fired), without the code hook points."""
         x = self.process_sae_in(x)
         lead, x2 = x.shape[:-1], x.reshape(-1, self.cfg.d_in)
-        values, indices = self._sparse_codes(x2)
+        values, indices = self.sparse_codes(x2)
         mixture = ops.decode_rows(values, indices, self.W_dec)
-        out = self._output(mixture, self._decode_context(x2))
+        out = self.output(mixture, self.decode_context(x2))
         k = values.shape[-1]
         return out.reshape(*lead, self.cfg.d_out), values.reshape(*lead, k), indices.reshape(*lead, k)
 
@@ -344,7 +391,7 @@ class MLPReplacement(SAE[C]):
         variable number of codes per token: [..., m] padded with zeros)."""
         x = self.process_sae_in(x)
         lead, x2 = x.shape[:-1], x.reshape(-1, self.cfg.d_in)
-        values, indices = self._sparse_codes(x2)
+        values, indices = self.sparse_codes(x2)
         k = values.shape[-1]
         return values.reshape(*lead, k), indices.reshape(*lead, k)
 
@@ -355,8 +402,8 @@ class MLPReplacement(SAE[C]):
         lead, x2 = x.shape[:-1], x.reshape(-1, self.cfg.d_in)
         k = values.shape[-1]
         mixture = ops.decode_rows(values.reshape(-1, k), indices.reshape(-1, k), self.W_dec)
-        context = self._decode_context(x2) if self.needs_decode_context else None
-        return self._output(mixture, context).reshape(*lead, self.cfg.d_out)
+        context = self.decode_context(x2) if self.needs_decode_context else None
+        return self.output(mixture, context).reshape(*lead, self.cfg.d_out)
 
     # -- training ----------------------------------------------------------------------------------
     def training_forward_pass(
@@ -378,7 +425,7 @@ class MLPReplacement(SAE[C]):
         ``"paper"``: the reference code's mean_{t,d} (y_hat - y)^2 / ||y_t||.
         ``auxk`` (Gao et al. 2024; sparsify): the ``k_aux`` largest pre-activations among the units in
         ``dead_mask`` reconstruct the residual e = y - y_hat (held fixed) through the same decoder
-        (``_aux_output``), ``min(n_dead / k_aux, 1) * mean_t ||e_hat - e||^2 / loss_scale``; it is added
+        (``aux_output``), ``min(n_dead / k_aux, 1) * mean_t ||e_hat - e||^2 / loss_scale``; it is added
         with ``aux_coefficient``. Its gradient reaches only the dead units' encoder columns and
         decoder rows. The pre-activations come from the TopK matmul itself (no second [T, N] product).
         """
@@ -390,10 +437,10 @@ class MLPReplacement(SAE[C]):
         n_dead = int(dead_mask.sum()) if dead_mask is not None else 0
         use_aux = aux_coefficient > 0 and k_aux > 0 and n_dead > 0
         moments: list | None = [] if self.wants_pre_moments else None
-        enc = self._train_encode(x2, dead_mask if use_aux else None, k_aux if use_aux else 0, moments)
+        enc = self.training_encode(x2, dead_mask if use_aux else None, k_aux if use_aux else 0, moments)
         self.pre_moments = (*moments[0], x2.shape[0]) if moments else None
-        context = self._decode_context(x2)
-        out = self._output(ops.decode_rows(enc.values, enc.indices, self.W_dec), context)
+        context = self.decode_context(x2)
+        out = self.output(ops.decode_rows(enc.values, enc.indices, self.W_dec), context)
         sq = (out - y2).pow(2)
         if objective == "nmse":
             mse = sq.sum(-1).mean() / loss_scale
@@ -405,7 +452,7 @@ class MLPReplacement(SAE[C]):
         loss = mse
         if use_aux:
             residual = (y2 - out).detach()
-            e_hat = self._aux_output(ops.decode_rows(enc.aux_values, enc.aux_indices, self.W_dec), context)
+            e_hat = self.aux_output(ops.decode_rows(enc.aux_values, enc.aux_indices, self.W_dec), context)
             scale = min(n_dead / k_aux, 1.0)
             losses["auxk"] = scale * (e_hat - residual).pow(2).sum(-1).mean() / loss_scale
             loss = loss + aux_coefficient * losses["auxk"]
@@ -419,37 +466,31 @@ class MLPReplacement(SAE[C]):
             }
         return TrainStepOutput(out, enc.values, enc.indices, loss, losses, metrics)
 
-    def _aux_output(self, mixture: torch.Tensor, context: Any) -> torch.Tensor:
-        """What the AuxK units' mixture ``sum_n a_n W_dec[n]`` adds to the output (no bias): the
-        transcoders' mixture itself; MxD overrides it to modulate by its (fixed) hidden layer."""
-        return mixture
-
     @torch.no_grad()
     def fold_activation_scales(self, input_scale: float, output_scale: float = 1.0) -> MLPReplacement:
         """In place: a layer trained to map ``input_scale * x`` to ``output_scale * y`` becomes one that
         maps raw x to raw y, with the same units selected. The codes are divided by ``output_scale``
         (TopK and ReLU commute with a positive scale), so unit-norm decoder rows stay unit-norm:
         W_enc *= s_in / s_out, b_enc /= s_out, b_dec /= s_out, and each subclass folds its own dense
-        parts (``_fold_dense``). Returns self."""
+        parts (``fold_dense``). Returns self."""
         if not (input_scale > 0 and output_scale > 0):
             raise ValueError(f"scales must be positive, got input {input_scale}, output {output_scale}")
         self.W_enc.mul_(input_scale / output_scale)
         self.b_enc.div_(output_scale)
         self.b_dec.div_(output_scale)
-        self._fold_dense(input_scale, output_scale)
+        self.fold_dense(input_scale, output_scale)
         self._stash = None
         return self
 
-    def _fold_dense(self, input_scale: float, output_scale: float) -> None:
-        """Fold the scales into the parameters outside the TopK dictionary (none here)."""
-
     def forward_reference(self, x: torch.Tensor) -> torch.Tensor:
-        """The same map in its dense textbook form (full [T, d_sae] codes, plain autograd).
-        For tests and benchmarks; slow at real widths."""
+        """The same map in its dense textbook form (full (T, d_sae) codes, plain autograd), for tests
+        and benchmarks; slow at real widths. A layer with another selection than TopK overrides it.
+
+        x: (..., d_in) -> (..., d_out)."""
         x = self.process_sae_in(x)
         lead, x2 = x.shape[:-1], x.reshape(-1, self.cfg.d_in)
         codes = ops.topk_encode_dense(x2, self.W_enc, self.b_enc, self.cfg.k, relu=self.relu_codes)
-        out = self._output(ops.decode_dense(codes, self.W_dec), self._decode_context(x2))
+        out = self.output(ops.decode_dense(codes, self.W_dec), self.decode_context(x2))
         return out.reshape(*lead, self.cfg.d_out)
 
     def _code_hooks_active(self) -> bool:
@@ -459,20 +500,22 @@ class MLPReplacement(SAE[C]):
         )
 
     # -- persistence -----------------------------------------------------------------------------
+    @override
     def save_model(self, path: str | Path) -> tuple[Path, Path]:
         """Write ``cfg.json`` and ``sae_weights.safetensors`` (SAELens's format), each atomically."""
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
         state_dict = {k: v.detach().contiguous() for k, v in self.state_dict().items()}
         weights_path, cfg_path = path / SAE_WEIGHTS_FILENAME, path / SAE_CFG_FILENAME
-        _atomic_write(
+        fileio.atomic_write(
             weights_path,
             lambda tmp: save_file(state_dict, tmp, metadata={"architecture": self.cfg.architecture()}),
         )
         text = json.dumps(self.cfg.to_dict(), indent=2)
-        _atomic_write(cfg_path, lambda tmp: Path(tmp).write_text(text))
+        fileio.atomic_write(cfg_path, lambda tmp: Path(tmp).write_text(text))
         return weights_path, cfg_path
 
+    @override
     def process_state_dict_for_loading(self, state_dict: dict[str, Any]) -> None:
         expected = {k: tuple(v.shape) for k, v in self.state_dict().items()}
         got = {k: tuple(v.shape) for k, v in state_dict.items()}
@@ -491,11 +534,6 @@ def _registry() -> dict[str, Any]:
     from sae_lens.registry import SAE_CLASS_REGISTRY
 
     return SAE_CLASS_REGISTRY
-
-
-# Unique temp name in the same folder, the mode open() would give (shared weights stay readable);
-# kept under this name for callers that import it from here (mxd_lens.analysis.inspect).
-_atomic_write = fileio.atomic_write
 
 
 def uniform_(t: torch.Tensor, bound: float) -> torch.Tensor:

@@ -36,6 +36,7 @@ from typing import Any, ClassVar
 
 import torch
 from torch import nn
+from typing_extensions import override
 
 from mxd_lens.layers import ops
 from mxd_lens.layers.base import LayerConfig, MLPReplacement
@@ -49,10 +50,12 @@ class BatchTopKTranscoderConfig(LayerConfig):
     topk_threshold_lr: float = 0.01
     variant_fields: ClassVar[tuple[str, ...]] = ("topk_threshold_lr",)
 
+    @override
     @classmethod
     def architecture(cls) -> str:
         return "mxd_lens.batchtopk_transcoder"
 
+    @override
     def __post_init__(self) -> None:
         rate = self.topk_threshold_lr
         if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 < rate <= 1:
@@ -75,36 +78,51 @@ class BatchTopKTranscoder(MLPReplacement[BatchTopKTranscoderConfig]):
     b_dec: nn.Parameter
     threshold: torch.Tensor
 
+    @override
     def initialize_weights(self) -> None:
-        self._init_dictionary()
+        self.init_dictionary()
         self.register_buffer("threshold", torch.zeros(self.cfg.d_sae, dtype=self.dtype, device=self.device))
 
-    def _output(self, mixture: torch.Tensor, context: None) -> torch.Tensor:
+    @override
+    def output(self, mixture: torch.Tensor, context: None) -> torch.Tensor:
+        """mixture: (T, d_out) -> mixture + b_dec: (T, d_out)."""
         return mixture + self.b_dec
 
     # -- inference: JumpReLU ---------------------------------------------------------------------
-    def _select(self, pre: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    @override
+    def select_codes(self, pre: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """pre: (..., d_sae) -> (values, indices), each (..., m): the entries above the threshold, m the
+        most of any row (padded with zero values)."""
         return ops.select_rows(pre, pre.detach() > self.threshold)
 
-    def _sparse_codes(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    @override
+    def sparse_codes(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: (T, d_in) -> (values, indices), each (T, m): JumpReLU at the threshold, padded as above."""
         return ops.threshold_encode(x, self.W_enc, self.b_enc, self.threshold)[:2]
 
+    @override
     def forward_reference(self, x: torch.Tensor) -> torch.Tensor:
-        """The inference map in its dense textbook form: ``(ReLU(pre) * 1[pre > threshold]) W_dec + b_dec``."""
+        """The inference map in its dense textbook form: ``(ReLU(pre) * 1[pre > threshold]) W_dec + b_dec``.
+
+        x: (..., d_in) -> (..., d_out)."""
         x = self.process_sae_in(x)
         codes = ops.threshold_dense(x, self.W_enc, self.b_enc, self.threshold)
-        return self._output(ops.decode_dense(codes, self.W_dec), None)
+        return self.output(ops.decode_dense(codes, self.W_dec), None)
 
     # -- training: BatchTopK -------------------------------------------------------------------------
-    def _train_encode(
+    @override
+    def training_encode(
         self, x: torch.Tensor, aux_mask: torch.Tensor | None, k_aux: int, pre_moments: list | None
     ) -> ops.EncoderOutput:
+        """x: (T, d_in) -> the T*K largest of ReLU(x W_enc + b_enc) over the whole batch as values,
+        indices (T, m) (padded), with the AuxK selection (T, k_aux)."""
         import torch.distributed as dist
 
         return ops.batch_topk_encode(
             x, self.W_enc, self.b_enc, self.cfg.k, aux_mask, k_aux, distributed=dist.is_initialized()
         )
 
+    @override
     @torch.no_grad()
     def after_step(self, values: torch.Tensor, indices: torch.Tensor) -> dict[str, float]:
         """The threshold's step toward the smallest positive code of the training batch (``values``
@@ -123,10 +141,12 @@ class BatchTopKTranscoder(MLPReplacement[BatchTopKTranscoderConfig]):
         return {"threshold": float(self.threshold.max())}
 
     # -- scales and folds ------------------------------------------------------------------------
-    def _fold_dense(self, input_scale: float, output_scale: float) -> None:
+    @override
+    def fold_dense(self, input_scale: float, output_scale: float) -> None:
         # the pre-activations are divided by output_scale (base class): the threshold with them
         self.threshold.div_(output_scale)
 
+    @override
     @torch.no_grad()
     def fold_W_dec_norm(self) -> None:
         """Unit-norm decoder rows with the same map: W_dec[n] /= s_n, W_enc[:, n] and b_enc[n] *= s_n
@@ -135,6 +155,7 @@ class BatchTopKTranscoder(MLPReplacement[BatchTopKTranscoderConfig]):
         self.threshold.mul_(norms)
         self._stash = None
 
+    @override
     def process_state_dict_for_loading(self, state_dict: dict[str, Any]) -> None:
         super().process_state_dict_for_loading(state_dict)
         threshold = state_dict["threshold"]

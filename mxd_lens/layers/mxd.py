@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import torch
 from torch import nn
+from typing_extensions import override
 
 from mxd_lens.layers.base import LayerConfig, MLPReplacement, uniform_
 from mxd_lens.layers.nonlinearity import get_activation
@@ -62,10 +63,12 @@ class MxDConfig(LayerConfig):
     gate_standardize: float = 0.0  # per step, the fraction of the way to standardised gate pre-activations
     variant_fields: ClassVar[tuple[str, ...]] = ("gate", "balance_rate", "balance_target", "gate_standardize")
 
+    @override
     @classmethod
     def architecture(cls) -> str:
         return "mxd_lens.mxd"
 
+    @override
     def __post_init__(self) -> None:
         if not isinstance(self.d_hidden, int) or self.d_hidden <= 0:
             raise ValueError(
@@ -125,6 +128,7 @@ class MxD(MLPReplacement[MxDConfig]):
     W_dec: nn.Parameter
     b_dec: nn.Parameter
 
+    @override
     def initialize_weights(self) -> None:
         cfg, kw = self.cfg, {"dtype": self.dtype, "device": self.device}
         self.phi = get_activation(cfg.activation)
@@ -136,16 +140,19 @@ class MxD(MLPReplacement[MxDConfig]):
             self.b_in_gate = nn.Parameter(torch.zeros(cfg.d_hidden, **kw))
         self.W_out = nn.Parameter(torch.zeros(cfg.d_hidden, cfg.d_out, **kw))
         # G as nn.Linear; C with unit-norm rows (the a_n * c_n scale symmetry makes this free).
-        self._init_dictionary()
+        self.init_dictionary()
 
     @property
+    @override
     def relu_codes(self) -> bool:
         return self.cfg.gate == "relu_topk"
 
     @property
+    @override
     def wants_pre_moments(self) -> bool:  # type: ignore[override]
         return self.cfg.gate_standardize > 0
 
+    @override
     @torch.no_grad()
     def after_step(self, values: torch.Tensor, indices: torch.Tensor) -> dict[str, float]:
         """The gate standardisation (``gate_standardize`` > 0, from the step's pre-activation moments),
@@ -201,18 +208,24 @@ class MxD(MLPReplacement[MxDConfig]):
             return self.phi(x @ self.W_in_gate + self.b_in_gate) * up
         return self.phi(up)
 
-    def _decode_context(self, x: torch.Tensor) -> torch.Tensor:
-        return self.hidden(x) @ self.W_out  # z D [T, d_out]: all that decode needs from x
+    @override
+    def decode_context(self, x: torch.Tensor) -> torch.Tensor:
+        """x: (T, d_in) -> z D: (T, d_out), all that decode needs from x."""
+        return self.hidden(x) @ self.W_out
 
-    def _output(self, mixture: torch.Tensor, zD: torch.Tensor) -> torch.Tensor:
+    @override
+    def output(self, mixture: torch.Tensor, zD: torch.Tensor) -> torch.Tensor:
+        """mixture: (T, d_out) = a C, zD: (T, d_out) -> (z D) * (a C) + b: (T, d_out)."""
         return zD * mixture + self.b_dec
 
-    def _aux_output(self, mixture: torch.Tensor, zD: torch.Tensor) -> torch.Tensor:
-        # AuxK for MxD: the dead experts' coefficients through the same hidden layer, held fixed so
-        # that only the dead experts' gate columns and C rows learn from it.
+    @override
+    def aux_output(self, mixture: torch.Tensor, zD: torch.Tensor) -> torch.Tensor:
+        """mixture: (T, d_out), the dead experts' a C; zD: (T, d_out) -> (z D) * (a C): (T, d_out), the
+        hidden layer held fixed so that only the dead experts' gate columns and C rows learn from it."""
         return zD.detach() * mixture
 
-    def _fold_dense(self, input_scale: float, output_scale: float) -> None:
+    @override
+    def fold_dense(self, input_scale: float, output_scale: float) -> None:
         # z = phi(s x E + b_E) reads raw x with E *= s; D and C are untouched (the codes carry 1/s_out).
         self.W_in.mul_(input_scale)
         if self.cfg.hidden_form == "glu":
@@ -220,6 +233,7 @@ class MxD(MLPReplacement[MxDConfig]):
 
     copies_host_mlp = True
 
+    @override
     @torch.no_grad()
     def scale_copied_mlp(self, input_scale: float, output_scale: float) -> None:
         # The host MLP reads raw x and writes raw y: on s_in x, E / s_in; to write s_out y, D * s_out.
@@ -233,6 +247,7 @@ class MxD(MLPReplacement[MxDConfig]):
         """W_n = D diag(c_n) [d_hidden, d_out]: expert n as the linear map it applies to z."""
         return self.W_out * self.W_dec[n]
 
+    @override
     @classmethod
     def config_for_stream(cls, info: Any, width: int, **common: Any) -> MxDConfig:
         """The experts that cost as many parameters as a ``width``-latent transcoder (``match_experts``),
@@ -247,8 +262,9 @@ class MxD(MLPReplacement[MxDConfig]):
         common.setdefault("hidden_form", "glu" if info.gated else "mlp")
         return MxDConfig(d_sae=n, d_hidden=d_hidden, **common)
 
+    @override
     @classmethod
-    def _model_defaults(cls, model: HookedTransformer) -> dict[str, object]:
+    def model_defaults(cls, model: HookedTransformer) -> dict[str, object]:
         return {
             "d_hidden": model.cfg.d_mlp,
             "activation": model.cfg.act_fn,
@@ -301,6 +317,7 @@ class MxD(MLPReplacement[MxDConfig]):
             mxd.b_dec.copy_(mlp.b_out + mlp.b_in @ mlp.W_out if gated else mlp.b_out)
         return mxd
 
+    @override
     @torch.no_grad()
     def copy_hidden_from_mlp(self, model: HookedTransformer, block: int) -> MxD:
         """Set E, b_E (and the GLU gate) and D to block ``block``'s MLP weights: the warm start. Refused

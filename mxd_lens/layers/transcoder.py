@@ -14,12 +14,14 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from typing_extensions import override
 
 from mxd_lens.layers.base import LayerConfig, MLPReplacement
 
 
 @dataclass
 class TopKTranscoderConfig(LayerConfig):
+    @override
     @classmethod
     def architecture(cls) -> str:
         return "mxd_lens.topk_transcoder"
@@ -27,6 +29,7 @@ class TopKTranscoderConfig(LayerConfig):
 
 @dataclass
 class TopKSkipTranscoderConfig(TopKTranscoderConfig):
+    @override
     @classmethod
     def architecture(cls) -> str:
         return "mxd_lens.skip_transcoder"
@@ -43,10 +46,13 @@ class TopKTranscoder(MLPReplacement[TopKTranscoderConfig]):
     W_dec: nn.Parameter
     b_dec: nn.Parameter
 
+    @override
     def initialize_weights(self) -> None:
-        self._init_dictionary()
+        self.init_dictionary()
 
-    def _output(self, mixture: torch.Tensor, context: None) -> torch.Tensor:
+    @override
+    def output(self, mixture: torch.Tensor, context: None) -> torch.Tensor:
+        """mixture: (T, d_out) -> mixture + b_dec: (T, d_out)."""
         return mixture + self.b_dec
 
 
@@ -64,18 +70,24 @@ class TopKSkipTranscoder(MLPReplacement[TopKSkipTranscoderConfig]):
     b_dec: nn.Parameter
     W_skip: nn.Parameter
 
+    @override
     def initialize_weights(self) -> None:
         # Zero decoder and skip, as in the reference; unit-norm upkeep must skip zero rows (NaN otherwise).
-        self._init_dictionary(zero_decoder=True)
+        self.init_dictionary(zero_decoder=True)
         self.W_skip = nn.Parameter(
             torch.zeros(self.cfg.d_in, self.cfg.d_out, dtype=self.dtype, device=self.device)
         )
 
-    def _decode_context(self, x: torch.Tensor) -> torch.Tensor:
+    @override
+    def decode_context(self, x: torch.Tensor) -> torch.Tensor:
+        """x: (T, d_in) -> x itself, for the skip path."""
         return x
 
-    def _fold_dense(self, input_scale: float, output_scale: float) -> None:
+    @override
+    def fold_dense(self, input_scale: float, output_scale: float) -> None:
         self.W_skip.mul_(input_scale / output_scale)
 
-    def _output(self, mixture: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    @override
+    def output(self, mixture: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """mixture: (T, d_out), x: (T, d_in) -> mixture + b_dec + x W_skip: (T, d_out)."""
         return mixture + self.b_dec + x @ self.W_skip

@@ -108,7 +108,7 @@ STUDIES: dict[str, Study] = {
     for s in (
         Study("eval", "evaluate saved layers on held-out text and record the results in them",
               "mxd_lens.studies.eval:EvalOptions", "mxd_lens.studies.eval.run:run",
-              model="mxd_lens.studies.eval.run:model_for_layers", where="mxd_lens.studies.common:ModelOnly"),
+              where="mxd_lens.studies.common:ModelOnly"),
         Study("frontier", "train and evaluate every (block, K, seed, architecture) of a grid; tables and plots",
               "mxd_lens.studies.frontier:FrontierOptions", "mxd_lens.studies.frontier.run:run", folder=""),
         Study("frontier-report", "summary and plots of a frontier study from its OUT/frontier.json",

@@ -2,12 +2,14 @@
 (each written atomically: a reader sees the old file or the new one) and into the text a verb prints.
 
 Columns are described once (:data:`COLUMNS`: name, label, format), so a new metric is a new key in
-``evaluate``'s rows and one :class:`Column` here; architectures are labelled from the registry
-(:func:`mxd_lens.layers.arch_label`) only when a table is rendered.
+``evaluate``'s rows and one :class:`Column` here. Tables name an architecture by its key in an ``arch``
+column (``mxd:gate=topk``, :func:`mxd_lens.layers.registry.layer_arch`); it is labelled from the registry
+(:func:`mxd_lens.layers.arch_label`: ``MxD (gate=topk)``) only when a table is rendered.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 from collections.abc import Sequence
@@ -27,10 +29,16 @@ class Column:
     format: str = "{}"
     se: str | None = None
     """a standard-error column shown beside the value, as ``value ± se``"""
+    arch: bool = False
+    """the values are architecture keys (``mxd:gate=topk``), shown by their labels (``MxD (gate=topk)``)"""
 
     def render(self, value: Any) -> str:
         if value is None or (isinstance(value, float) and value != value):
             return ""
+        if self.arch:
+            from mxd_lens.layers import arch_label
+
+            return arch_label(str(value))
         try:
             return self.format.format(value)
         except (ValueError, TypeError):
@@ -41,7 +49,7 @@ class Column:
 COLUMNS: dict[str, Column] = {
     c.name: c
     for c in (
-        Column("method", "method"),
+        Column("arch", "architecture", arch=True),
         Column("label", "method"),
         Column("name", "layer"),
         Column("block", "block", "{:d}"),
@@ -81,9 +89,9 @@ def columns(*names: str, se: Sequence[str] = (), **labels: str) -> tuple[Column,
         spec = COLUMNS.get(name, Column(name))
         label = labels.get(name, spec.label)
         if name in se:
-            out.append(Column(name, f"{label} ± se", spec.format, se=f"{name}_se"))
+            out.append(dataclasses.replace(spec, label=f"{label} ± se", se=f"{name}_se"))
         else:
-            out.append(Column(name, label, spec.format))
+            out.append(dataclasses.replace(spec, label=label))
     return tuple(out)
 
 

@@ -1,4 +1,4 @@
-"""The attribution study's options: logit differences attributed through each method's spliced layers
+"""The attribution study's options: logit differences attributed through each architecture's spliced layers
 over a set of prompts (``run.py``)."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ DEFAULT_PROMPTS = (
 
 @dataclass
 class AttributionOptions:
-    """Attribution of a few predictions to the units of each method's layers, spliced at the same
+    """Attribution of a few predictions to the units of each architecture's layers, spliced at the same
     blocks with the same K: how much the top units carry, and how large the error term is."""
 
     layers: list[str]
@@ -27,7 +27,7 @@ class AttributionOptions:
     k: int = 32
     """use the layers with this K"""
     blocks: list[int] | None = None
-    """the blocks to splice at (default: every block with a layer of every method at this K)"""
+    """the blocks to splice at (default: every block with a layer of every architecture at this K)"""
     prompts: list[str] = field(default_factory=lambda: list(DEFAULT_PROMPTS))
     """'prompt|target|minus' (minus optional): the logit (difference) at the last position"""
     top: int = 10

@@ -2,9 +2,10 @@
 
 - ``attribute``: one prompt, one set of layers: the top units, the other sources, the completeness check,
   and a report (units.csv, parts.csv, graph.png, report.html with each top unit's contexts);
-- ``attribution``: each method's layers at one K spliced at the same blocks, over a set of prompts: how much
-  of the layers' share a few units carry (``attribution_study.csv``), and the first prompt's report per
-  method (OUT/METHOD/).
+- ``attribution``: each architecture's layers at one K spliced at the same blocks, over a set of prompts: how
+  much of the layers' share a few units carry (``attribution_study.csv``, one row per prompt and
+  architecture, named in its ``arch`` column by its key with options: ``mxd:gate=topk``), and the first
+  prompt's report per architecture (OUT/ARCH/, the key with ``:`` and ``,`` as ``-``).
 """
 
 from __future__ import annotations
@@ -98,63 +99,70 @@ def attribution_report(result: Any, edge_tables: dict | None = None, contexts: d
 
 
 def run(model: Any, options: AttributionOptions, out: Path | None, progress: bool = True) -> StudyResult:
-    """For each prompt and each method, the method's layers at K spliced at the study's blocks together:
-    ``replacement_summary`` of the attribution, one row per (prompt, method); the first prompt's report
-    per method goes to OUT/METHOD/."""
+    """For each prompt and each architecture (its key with options: two MxD gates are two), its layers at
+    K spliced at the study's blocks together: ``replacement_summary`` of the attribution, one row per
+    (prompt, arch); the first prompt's report per architecture goes to OUT/ARCH/."""
     import pandas as pd
     from tqdm.auto import tqdm
 
     import mxd_lens
     from mxd_lens import hooks
     from mxd_lens.attribution import attribute, parse_prompt, replacement_summary
+    from mxd_lens.layers import arch_label
     from mxd_lens.layers.io import load_layers
-    from mxd_lens.layers.registry import architecture_key
+    from mxd_lens.layers.registry import layer_arch
     from mxd_lens.studies.report import write_result
 
-    by_method: dict[str, dict[int, Any]] = {}
+    by_arch: dict[str, dict[int, Any]] = {}
     names: dict[tuple[str, int], str] = {}
     for name, layer in load_layers(options.layers, foreign=True).items():
         if hooks.replacement(layer).k not in (options.k, None):  # None: a JumpReLU layer from elsewhere
             continue
-        method, block = architecture_key(layer), hooks.block_of(layer)
-        if (method, block) in names:
+        arch, block = layer_arch(layer), hooks.block_of(layer)
+        if (arch, block) in names:
             raise ValueError(
-                f"two {method} layers with K={options.k} at block {block} ({names[method, block]} and {name}, "
+                f"two {arch} layers with K={options.k} at block {block} ({names[arch, block]} and {name}, "
                 "e.g. two seeds): pass the folders of one run per block"
             )
-        names[method, block] = name
-        by_method.setdefault(method, {})[block] = layer
-    if not by_method:
+        names[arch, block] = name
+        by_arch.setdefault(arch, {})[block] = layer
+    if not by_arch:
         raise ValueError(f"no layer with K={options.k} under {options.layers}")
-    common = sorted(set.intersection(*(set(blocks) for blocks in by_method.values())))
+    common = sorted(set.intersection(*(set(blocks) for blocks in by_arch.values())))
     blocks = sorted(options.blocks) if options.blocks else common
     missing = {
-        m: sorted(set(blocks) - set(found)) for m, found in by_method.items() if set(blocks) - set(found)
+        a: sorted(set(blocks) - set(found)) for a, found in by_arch.items() if set(blocks) - set(found)
     }
     if not blocks or missing:
         raise ValueError(
-            f"the blocks {blocks} need a layer of every method at K={options.k}; missing: {missing or 'no common block'}"
+            f"the blocks {blocks} need a layer of every architecture at K={options.k}; missing: "
+            f"{missing or 'no common block'}"
         )
     prompts = [parse_prompt(model, spec) for spec in options.prompts]
     rows = []
-    bar = tqdm(total=len(prompts) * len(by_method), desc="attribution", disable=not progress)
-    for method, layers in sorted(by_method.items()):
+    bar = tqdm(total=len(prompts) * len(by_arch), desc="attribution", disable=not progress)
+    for arch, layers in sorted(by_arch.items()):
         spliced = [layers[b] for b in blocks]
         for i, (prompt, target, label) in enumerate(prompts):
             with mxd_lens.splice(model, *spliced, error_term=options.error_term):
                 result = attribute(model, prompt, target)
-            rows.append({"prompt": prompt, "logit": label, "method": method, "blocks": ",".join(map(str, blocks)),
+            rows.append({"prompt": prompt, "logit": label, "arch": arch, "blocks": ",".join(map(str, blocks)),
                          **replacement_summary(result, options.top)})  # fmt: skip
             if out is not None and i == 0:
-                write_result(attribution_report(result, top=options.top), Path(out) / method)
+                folder = arch.replace(":", "-").replace(
+                    ",", "-"
+                )  # a folder name, as LearnerSpec.name writes it
+                write_result(attribution_report(result, top=options.top), Path(out) / folder)
             bar.update(1)
     bar.close()
     table = pd.DataFrame(rows)
     fractions = ["top_abs_share", "error_abs_share", "top_fraction", "error_fraction"]
-    stats = table.groupby("method")[fractions].agg(["mean", "median"]).round(3)
+    stats = table.groupby("arch")[fractions].agg(["mean", "median"]).round(3)
     stats.columns = [f"{column} {stat}" for column, stat in stats.columns]
+    stats.index = stats.index.map(arch_label)  # labels in the printed text only
+    shown = table.drop(columns=["blocks"]).assign(arch=table.arch.map(arch_label))
     text = "\n\n".join([
-        table.drop(columns=["blocks"]).round(4).to_markdown(index=False),
+        shown.round(4).to_markdown(index=False),
         "over prompts (the signed fractions divide by the spliced total, which can be near zero):\n"
         + stats.T.to_markdown(),
     ])  # fmt: skip

@@ -74,21 +74,29 @@ def _drop_checkpoints(out: Path) -> int:
     return freed
 
 
+def _arch(row: dict[str, Any]) -> str:
+    """A frontier row's architecture key with options (``arch``; rows that predate it: ``method``)."""
+    return row["arch"] if "arch" in row else row["method"]
+
+
 def demo_table(rows: list[dict[str, Any]]) -> str:
     """The demo's table as people read it (the columns' formats: mxd_lens.studies.report.COLUMNS)."""
     import pandas as pd
 
     from mxd_lens.studies.report import columns, render_table
 
-    shown = columns("label", "params", "ce_clean", "delta_ce", "kl", "fvu", "l0", "always_on", "dead_fraction", "ood_delta_ce",
+    table = pd.DataFrame(rows).assign(arch=[_arch(r) for r in rows])  # keys, shown by their labels
+    shown = columns("arch", "params", "ce_clean", "delta_ce", "kl", "fvu", "l0", "always_on", "dead_fraction", "ood_delta_ce",
                     "ood_kl", dead_fraction="dead")  # fmt: skip
-    return render_table(pd.DataFrame(rows), shown)
+    return render_table(table, shown)
 
 
 def demo_verdict(rows: list[dict[str, Any]]) -> str:
     """What the numbers say, ranked by KL (how far the spliced model's predictions move from the
     model's own), with ΔCE beside it and a negative ΔCE worded as what it is."""
-    rows = sorted(rows, key=lambda r: r["kl"])
+    from mxd_lens.layers import arch_label
+
+    rows = [{**r, "label": arch_label(_arch(r))} for r in sorted(rows, key=lambda r: r["kl"])]
     zero = rows[0]["ce_zero_ablation"] - rows[0]["ce_clean"]
     kl = "; ".join(f"{r['label']} {r['kl']:.4f}" for r in rows)
     ce = "; ".join(f"{r['label']} {r['delta_ce']:+.4f}" for r in rows)

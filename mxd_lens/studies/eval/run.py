@@ -49,17 +49,6 @@ def eval_result(rows: list[dict[str, Any]], recorded: bool) -> StudyResult:
                        text=text, value=rows)  # fmt: skip
 
 
-def model_for_layers(where: Any, options: EvalOptions) -> Any:
-    """The model ``--model`` names, else the one the first layer's training record names (as
-    :func:`recorded_model` finds it from here, loaded with the dtype, BOS and special tokens it
-    records), else, for a layer from elsewhere (no training record), the ``model_name`` its SAELens
-    metadata names (any spelling of the default's), else the default model
-    (:func:`mxd_lens.studies.common.host_model`)."""
-    from mxd_lens.studies.common import host_model
-
-    return host_model(where, options)
-
-
 def recorded_model(record: dict[str, Any], folder: Path) -> str:
     """The model a layer's training record names, as ``load_model`` can load it from here: the name
     as recorded, or for a local file or folder not found from this directory, the absolute path
@@ -82,7 +71,8 @@ def evaluate_saved(model: Any, config: EvalOptions, progress: bool = True) -> li
     on held-out text and, with ``config.write``, record the result in each layer's cfg.json
     (``metadata.evaluations``; ``metadata.evaluation``: the latest: metrics, the text and split, tokens,
     the model's source, the library version) and in an eval.json beside it. One row per layer; an
-    :class:`EvaluationNotRecorded` (holding the rows) when the folders cannot be written.
+    :class:`EvaluationNotRecorded` (holding the rows) when the folders cannot be written. Each row names
+    its layer's architecture by its key (``arch``) beside ``evaluate``'s columns.
 
     A folder of another SAELens architecture (a transcoder trained elsewhere: ``mxd_lens.foreign``) is
     loaded with ``SAE.load_from_disk`` and evaluated alike. It has no mxd-lens training record, so its
@@ -93,6 +83,7 @@ def evaluate_saved(model: Any, config: EvalOptions, progress: bool = True) -> li
     from mxd_lens.config import StreamConfig
     from mxd_lens.evaluation import check_disjoint, evaluate, held_out_batches
     from mxd_lens.layers.io import layer_folders, load_any_layer
+    from mxd_lens.layers.registry import layer_arch
     from mxd_lens.models import model_identity, model_source
 
     if config.eval_tokens <= 0:
@@ -156,6 +147,9 @@ def evaluate_saved(model: Any, config: EvalOptions, progress: bool = True) -> li
     batches = held_out_batches(model, text, config.split, config.eval_tokens, config.context_size,
                                config.rows_per_forward, fraction, seed)  # fmt: skip
     rows = evaluate(model, layers, batches, skip_positions=config.skip_positions, progress=progress)
+    # the architecture key with options (mxd:gate=topk), as every study table names it; ``architecture``
+    # beside it is the SAELens name in cfg.json (mxd_lens.mxd)
+    rows = [{"name": row["name"], "arch": layer_arch(layers[row["name"]]), **row} for row in rows]
     if config.write:
         try:
             _record_evaluations(paths, rows[: len(paths)], eval_info, config, model)

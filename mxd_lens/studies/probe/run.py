@@ -2,11 +2,15 @@
 and the MLP's neurons), every k, under one or more feature-selection protocols
 (:func:`mxd_lens.analysis.probing.run_probing`), written as
 
-- ``probing.csv`` / ``probing.json``: one row per task, source, protocol and k (the record has the
-  options, the command, the model, the layers' training tokens and the task sets);
+- ``probing.csv`` / ``probing.json``: one row per task, source, protocol and k, a layer's rows with its
+  architecture key (``arch``: ``mxd:gate=topk``) and ``K`` (the record has the options, the command, the
+  model, the layers' training tokens and the task sets);
 - ``summary.csv``: mean test accuracy and its standard error over tasks per source and k (SAEBench's
-  protocol); ``summary_<protocol>.csv`` for the paper's k = 1 protocols;
-- ``paired.csv``: MxD minus each other method at equal K, paired over tasks; ``probing.png``.
+  protocol), with ``arch`` and ``K``; ``summary_<protocol>.csv`` for the paper's k = 1 protocols;
+- ``paired.csv``: MxD minus each layer of another architecture at equal K (``arch``, ``other_arch``),
+  paired over tasks; ``probing.png``.
+
+Labels (``MxD (gate=topk) K=32``) are applied when a table is printed or plotted, never written.
 
 Pooled activations are kept under OUT/pooled, so a rerun (or the steering study) reads them back.
 """
@@ -28,9 +32,9 @@ def run(model: Any, options: ProbeOptions, out: Path, task_sets: Sequence[Any] |
     ``jsonl_task_set``); pooled activations are cached under ``out/pooled``."""
     from mxd_lens import hooks
     from mxd_lens.analysis import tasks
-    from mxd_lens.analysis.probing import NEURONS, layer_method, run_probing
-    from mxd_lens.layers import arch_label
+    from mxd_lens.analysis.probing import run_probing
     from mxd_lens.layers.io import load_layers
+    from mxd_lens.layers.registry import layer_arch
     from mxd_lens.records import TrainingRecord
     from mxd_lens.studies.common import recorded_options
 
@@ -44,15 +48,9 @@ def run(model: Any, options: ProbeOptions, out: Path, task_sets: Sequence[Any] |
         context_size=options.context_size, batch_size=options.batch_size, seed=options.seed, progress=progress,
         protocols=options.protocols, neurons=options.neurons,
     )  # fmt: skip
-    methods = {name: layer_method(layer) for name, layer in layers.items()}
-    table["method"] = table.source.map(methods)
+    table["arch"] = table.source.map({name: layer_arch(layer) for name, layer in layers.items()})
     ks = {name: hooks.replacement(layer).k for name, layer in layers.items()}  # None: no K (JumpReLU)
     table["K"] = table.source.map(ks)
-    labels = {name: arch_label(methods[name]) + (f" K={ks[name]}" if ks[name] else "") for name in layers}
-    labels.update(
-        {s: f"MLP neurons ({s.split('.')[-1]})" for s in table.source.unique() if s.startswith(NEURONS + ".")}
-    )
-    table["label"] = table.source.map(labels).fillna(table.source)  # for people reading the CSV
     record = {
         "study": recorded_options(options),
         "model": model.cfg.model_name,
@@ -162,8 +160,9 @@ def merge(model: Any, options: MergeOptions, out: Path) -> StudyResult:
 
 
 def probing_result(table: Any, record: dict[str, Any]) -> StudyResult:
-    """The probing report from a long table (the layers' rows with their architecture key and K, a
-    ``label`` for people): the summaries, the paired differences and the plot."""
+    """The probing report from a long table (the layers' rows with their architecture key and K; older
+    tables: see :func:`mxd_lens.analysis.probing.layer_sources`): the summaries, the paired differences
+    and the plot."""
     import pandas as pd
 
     from mxd_lens.analysis.probing import (
@@ -175,11 +174,15 @@ def probing_result(table: Any, record: dict[str, Any]) -> StudyResult:
         summarize,
     )
 
-    labels = dict(zip(table.source, table.label, strict=True))
     layers = layer_sources(table)
     written = table
-    summary = summarize(table)
-    summary.insert(0, "label", [labels.get(s, s) for s in summary.index])
+
+    def with_arch(frame: Any) -> Any:  # a summary indexed by source, with each layer's arch and K in front
+        frame.insert(0, "arch", [layers[s][0] if s in layers else None for s in frame.index])
+        frame.insert(1, "K", [layers[s][1] if s in layers else None for s in frame.index])
+        return frame
+
+    summary = with_arch(summarize(table))
     tables = {"summary.csv": summary}
     table = _with_protocol(table)
     for protocol in sorted(set(table.protocol) - {"saebench"}):  # the paper's k = 1 protocols, one file each
@@ -192,8 +195,7 @@ def probing_result(table: Any, record: dict[str, Any]) -> StudyResult:
         )
         other.columns = [f"{m} {c}" for m, c in other.columns]
         other = other.drop(index=[s for s in other.index if s.split(".")[0] in DENSE], errors="ignore")
-        other.insert(0, "label", [labels.get(s, s) for s in other.index])
-        tables[f"summary_{protocol}.csv"] = other
+        tables[f"summary_{protocol}.csv"] = with_arch(other)
         summary.attrs[protocol] = other
     pairs = paired_comparisons(table, layers)
     tables["paired.csv"] = pairs
@@ -204,30 +206,47 @@ def probing_result(table: Any, record: dict[str, Any]) -> StudyResult:
         record=record,
         tables=tables,
         figures={"probing.png": plot_probing(table, layers)},
-        text=format_probing(summary, pairs),
+        text=format_probing(summary, pairs, layers),
         value={"table": table, "summary": summary, "paired": pairs},
     )
 
 
-def format_probing(summary: Any, paired: Any) -> str:
-    """The summary and the paired differences, as markdown text."""
-    parts = [summary.round(3).to_markdown()]
+def format_probing(summary: Any, paired: Any, layers: dict[str, tuple[str, int]]) -> str:
+    """The summary and the paired differences, as markdown text: each source by its label
+    (:func:`mxd_lens.analysis.probing.source_label`), each comparison as 'MxD - Transcoder'."""
+    from mxd_lens.analysis.probing import source_label
+    from mxd_lens.layers import arch_label
+
+    def shown(frame: Any) -> Any:
+        frame = frame.drop(columns=["arch", "K"])
+        frame.insert(0, "label", [source_label(s, layers) for s in frame.index])
+        return frame.round(3).to_markdown()
+
+    parts = [shown(summary)]
     for protocol, other in summary.attrs.items():
         note = " (feature selected on the test split: flatters weak features)" if protocol == "paper" else ""
-        parts.append(f"\nProtocol {protocol}, k = 1{note}:\n" + other.round(3).to_markdown())
+        parts.append(f"\nProtocol {protocol}, k = 1{note}:\n" + shown(other))
     if len(paired):
+        comparison = [
+            f"{arch_label(a)} - {arch_label(b)}" for a, b in zip(paired.arch, paired.other_arch, strict=True)
+        ]
+        pairs = paired.drop(columns=["arch", "other_arch", "a", "b"])
+        pairs.insert(1, "comparison", comparison)
         parts.append(
             "\nPaired differences in test accuracy (same task), mean over tasks:\n"
-            + paired.round(3).to_markdown(index=False)
+            + pairs.round(3).to_markdown(index=False)
         )
     return "\n".join(parts)
 
 
 def read_probing_table(folder: str | Path) -> Any:
-    """A study's OUT/probing.csv as written (``k`` as text: 1, 2, 5 or 'all')."""
+    """A study's OUT/probing.csv as written (``k`` as text: 1, 2, 5 or 'all'), a table written before the
+    ``arch`` column with it (:func:`mxd_lens.analysis.probing.arch_columns`)."""
     import pandas as pd
+
+    from mxd_lens.analysis.probing import arch_columns
 
     path = Path(folder) / "probing.csv"
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: give the folder a probing study wrote (OUT/probing)")
-    return pd.read_csv(path, dtype={"k": str})
+    return arch_columns(pd.read_csv(path, dtype={"k": str}))

@@ -17,8 +17,8 @@ class SPDAblationOptions:
     """SPD component ablation on a real model: decompose one late weight matrix, find the component most
     specific to a concept, ablate it, and compare the damage on held-out concept text with the damage
     elsewhere and with norm-matched random components. Writes OUT/spd/ (checkpoints, metrics.json),
-    OUT/decomposition.json, scores.json, ablation.json, by_ci.json, ablation.png and RESULTS.md; a killed
-    run resumes."""
+    OUT/decomposition.json, scores.json, ablation.json, by_ci.json (a killed run resumes from them), and
+    the tables ablation_effects.csv and by_ci.csv with the figure ablation.png."""
 
     data: str | None = None
     """a folder with corpus/*.txt.xz and probing/*.jsonl.xz named as CORPUS and CONCEPTS name them (required)"""

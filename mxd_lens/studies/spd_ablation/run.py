@@ -19,8 +19,11 @@ Steps (each cached under OUT, so a killed run resumes):
    result, the others are context.
 4. The chosen concept's top-1 component's effect split by its own CI (on / off).
 
-Writes OUT/spd/ (checkpoints, metrics.json), OUT/decomposition.json, OUT/scores.json,
-OUT/ablation.json, OUT/by_ci.json, OUT/ablation.png and OUT/RESULTS.md (every number and the command).
+Each step writes its result as it goes (OUT/spd/: checkpoints, metrics.json; OUT/decomposition.json with
+the options and the command, OUT/scores.json, OUT/ablation.json, OUT/by_ci.json); the study's result
+(:func:`ablation_result`) adds the tables ``ablation_effects.csv`` (one row per concept, top-k and text
+set) and ``by_ci.csv`` and the figure ``ablation.png``. What the numbers mean is for the reader (the
+write-up of the run on SmolLM2: docs/results/spd-svd-control.md), not printed here.
 """
 
 from __future__ import annotations
@@ -125,8 +128,10 @@ def pairs(resid: torch.Tensor, tokens: torch.Tensor, batch: int) -> list[tuple[t
 def run_real_model_study(
     model: Any, study: SPDAblationOptions, out: str | Path, command: str | None = None
 ) -> dict[str, Any]:
-    """The whole study (see the module docstring); each step's result is kept under ``out`` and reused
-    unless ``study.redo``. Returns {"decomposition", "scores", "ablation", "by_ci"} as written."""
+    """The whole study's steps (see the module docstring); each step's result is kept under ``out`` and
+    reused unless ``study.redo``. Returns {"decomposition", "scores", "ablation", "by_ci"} as written
+    (only "decomposition" with ``study.train_only``); :func:`ablation_result` makes them the study's
+    tables and figure."""
     out = Path(out)
     cache = Path(study.cache) if study.cache else out / "cache"
     out.mkdir(parents=True, exist_ok=True)
@@ -238,8 +243,6 @@ def run_real_model_study(
         by_ci = effect_by_ci(study, model, start, decomp, name, rows, sets, cache, final)
         by_ci["wall_s"] = time.time() - t0
         atomic_write_text(by_ci_path, json.dumps(by_ci, indent=1))
-    plot_ablation(final, out / "ablation.png")
-    atomic_write_text(out / "RESULTS.md", results_markdown(report, score_report, final, by_ci, command))
     return {"decomposition": report, "scores": score_report, "ablation": final, "by_ci": by_ci}
 
 
@@ -437,194 +440,111 @@ def plot_ablation(final: dict, path: str | Path | None = None) -> Any:
     return fig
 
 
-def ablation_table(final: dict) -> pd.DataFrame:
-    """One row per (concept, top-k, text set): clean CE, ΔCE ± s.e., Δp, KL, and the norm-matched random
-    components' ΔCE and KL (mean, with [min, max] over the draws for top-1), formatted for reading."""
-    name, chosen, rows = final["module"], final["chosen"], []
+def ablation_rows(final: dict) -> pd.DataFrame:
+    """One row per (concept, top-k, text set) of ``ablation.json``: the ablated components, clean CE, ΔCE
+    and its s.e., Δp (correct token), KL, and the norm-matched random components' ΔCE and KL (mean, min
+    and max over the draws)."""
+    name, rows = final["module"], []
     for key, res in final["results"].items():
-        for k in ("top1", "top3"):
-            effect = res[k]
+        for k in (1, 3):
+            effect = res[f"top{k}"]
             for s in ("target", "other_labels", "corpus"):
                 e, r = effect["effects"][s], effect["random_mean"][s]
                 spread = [x["effects"][s]["delta_ce"] for x in effect["random"]]
                 kls = [x["effects"][s]["kl"] for x in effect["random"]]
                 rows.append({
-                    "concept": key + (" (chosen)" if key == chosen else ""),
-                    "ablated": f"{k} {effect['components'][name]}",
-                    "set": s,
-                    "CE clean": f"{e['ce_clean']:.3f}",
-                    "ΔCE": f"{e['delta_ce']:+.4f} ± {e['delta_ce_se']:.4f}",
-                    "Δp": f"{e['delta_p_correct']:+.5f}",
-                    "KL": f"{e['kl']:.4f}",
-                    "random ΔCE": f"{r['delta_ce']:+.4f}" + (f" [{min(spread):+.4f}, {max(spread):+.4f}]" if k == "top1" else ""),
-                    "random KL": f"{r['kl']:.4f}" + (f" [{min(kls):.4f}, {max(kls):.4f}]" if k == "top1" else ""),
+                    "concept": key, "chosen": key == final["chosen"], "k": k,
+                    "components": " ".join(map(str, effect["components"][name])), "set": s,
+                    "ce_clean": e["ce_clean"], "delta_ce": e["delta_ce"], "delta_ce_se": e["delta_ce_se"],
+                    "delta_p_correct": e["delta_p_correct"], "kl": e["kl"],
+                    "random_delta_ce": r["delta_ce"], "random_delta_ce_min": min(spread),
+                    "random_delta_ce_max": max(spread), "random_kl": r["kl"], "random_kl_min": min(kls),
+                    "random_kl_max": max(kls),
                 })  # fmt: skip
     return pd.DataFrame(rows)
 
 
-def by_ci_table(by_ci: dict) -> pd.DataFrame:
-    """The top-1 component's ΔCE / KL where its own CI is on vs off, beside the random components'."""
+def ablation_table(final: dict) -> pd.DataFrame:
+    """:func:`ablation_rows` formatted for reading: ΔCE ± s.e., and the random components' [min, max] over
+    the draws for top-1."""
+    return pd.DataFrame(
+        {
+            "concept": r.concept + (" (chosen)" if r.chosen else ""),
+            "ablated": f"top{r.k} [{r.components.replace(' ', ', ')}]",
+            "set": r.set,
+            "CE clean": f"{r.ce_clean:.3f}",
+            "ΔCE": f"{r.delta_ce:+.4f} ± {r.delta_ce_se:.4f}",
+            "Δp": f"{r.delta_p_correct:+.5f}",
+            "KL": f"{r.kl:.4f}",
+            "random ΔCE": f"{r.random_delta_ce:+.4f}"
+            + (f" [{r.random_delta_ce_min:+.4f}, {r.random_delta_ce_max:+.4f}]" if r.k == 1 else ""),
+            "random KL": f"{r.random_kl:.4f}"
+            + (f" [{r.random_kl_min:.4f}, {r.random_kl_max:.4f}]" if r.k == 1 else ""),
+        }
+        for r in ablation_rows(final).itertuples()
+    )
+
+
+def by_ci_rows(by_ci: dict) -> pd.DataFrame:
+    """One row per (text set, CI on/off) of ``by_ci.json``: the positions counted, the top-1 component's
+    ΔCE and KL there, and the norm-matched random components' (mean, min and max ΔCE; mean KL); NaN
+    where no position is counted."""
     rows = []
     for set_name, configs in by_ci["sets"].items():
         for part in ("on", "off"):
             t = configs["top1"][part]
-            row = {"set": set_name, "positions": f"CI {part}", "n": str(t["n"])}
-            if not t["n"]:
-                rows.append(
-                    {
-                        **row,
-                        **dict.fromkeys(
-                            ("top-1 ΔCE", "top-1 KL", "random ΔCE (mean [min, max])", "random KL (mean)"), "–"
-                        ),
-                    }
-                )
-                continue
             rand = [v[part] for c, v in configs.items() if c != "top1"]
-            dce = [r["delta_ce"] for r in rand]
-            rows.append({**row, "top-1 ΔCE": f"{t['delta_ce']:+.4f}", "top-1 KL": f"{t['kl']:.4f}",
-                         "random ΔCE (mean [min, max])": f"{sum(dce) / len(dce):+.4f} [{min(dce):+.4f}, {max(dce):+.4f}]",
-                         "random KL (mean)": f"{sum(r['kl'] for r in rand) / len(rand):.4f}"})  # fmt: skip
+            dce = [r["delta_ce"] for r in rand] if t["n"] else [float("nan")]
+            kls = [r["kl"] for r in rand] if t["n"] else [float("nan")]
+            rows.append({
+                "set": set_name, "ci": part, "n": t["n"],
+                "delta_ce": t["delta_ce"] if t["n"] else float("nan"), "kl": t["kl"] if t["n"] else float("nan"),
+                "random_delta_ce": sum(dce) / len(dce), "random_delta_ce_min": min(dce),
+                "random_delta_ce_max": max(dce), "random_kl": sum(kls) / len(kls),
+            })  # fmt: skip
     return pd.DataFrame(rows)
 
 
-def results_markdown(report: dict, scores: dict, final: dict, by_ci: dict, command: str | None) -> str:
-    """RESULTS.md: every number of the study, its tables and a reading generated from them."""
-    cfg = report["config"]
-    held = report["heldout_corpus"]
-    name = final["module"]
-    chosen = final["chosen"]
-    d_in = 1536 if name.endswith(("W_out",)) else 576
-    control = cfg["init"] == "svd"
-    title = (
-        f"### SVD basis + learned CI: a control, not an SPD decomposition (SmolLM2-135M-Instruct, `{name}`)"
-        if control
-        else f"### SPD component ablation on SmolLM2-135M-Instruct (`{name}`)"
-    )
-    lines = [
-        title,
-        "",
-        *(
-            [
-                "With `init svd` and C = rank the components start as W's singular directions (faithfulness 0) "
-                "and a short run leaves them there; what is learned is the causal-importance function over a "
-                "fixed basis. It is reported as a control for a true decomposition from random init (C >= rank, "
-                "faithfulness warmup, p below 1, CI-masked term, many more tokens, run to convergence); no "
-                "concept component is claimed from it.",
-                "",
-            ]
-            if control
-            else []
-        ),
-        f"Command: `{command}` (torch threads 1, on the shared 2-core machine; `HF_HUB_OFFLINE=1`). "
-        "Outputs: `results/spd-ablation/` (decomposition.json, scores.json, ablation.json, by_ci.json, "
-        "ablation.png, spd/metrics.json); copies in `docs/results/spd/spd-ablation*` (metrics.json as "
-        "spd-ablation-train-metrics.json).",
-        "",
-        f"- **Decomposition.** `{name}` (a {d_in}→576 matrix, rank 576) into C = {cfg['C']} rank-1 components, "
-        f"init `{cfg['init']}` (component c = c-th singular direction of W, so faithfulness starts at 0), "
-        f"{cfg['ci']} CI (hidden {cfg['ci_hidden']}), {report['steps']} steps of {cfg['batch_size']} rows × "
-        f"{cfg['context_size']} tokens, KL over all positions and the full 49,152-word vocabulary, AdamW lr {cfg['lr']} "
-        f"(warm-up 20, cosine), faithfulness {cfg['faithfulness']:g}, stochastic reconstruction 1 (with one module "
-        f"the subset/layerwise terms are the same run), minimality {cfg['minimality']:g} (p 2 → {cfg['p_end']}). "
-        f"Data: {cfg['train_rows']} rows (BOS `<|endoftext|>` + 63 tokens), half train-side corpus (7 files), half "
-        "train-side labelled texts (language_id, code_language, topic_bbc_news, all labels); the residual stream at "
-        f"the input of block {cfg['layer']} is cached once and every forward runs blocks {cfg['layer']}–29 + unembedding "
-        "only (`ResidualModel`).",
-        f"- **Budget.** Training {report['train_wall_s'] / 60:.1f} min wall, {report['train_cpu_s'] / 60:.1f} min "
-        f"CPU (one thread, machine shared with other jobs); caching the training residuals "
-        f"{report['cache_train_s'] / 60:.1f} min wall; concept scoring {final['wall_s']['scoring_s'] / 60:.1f} min; "
-        f"ablation runs {final['wall_s']['ablation_s'] / 60:.1f} min + CI split {by_ci['wall_s'] / 60:.1f} min.",
-        f"- **Decomposition quality** (held-out corpus, 16 rows): CI-L0 {held['ci_l0'][name]:.1f} of {cfg['C']} "
-        f"components per position, {held['alive'][name]:.0f} alive, faithfulness {held['faithfulness']:.1e}, "
-        f"KL(target ‖ stochastically masked) {held['kl_stochastic']:.3f}, KL(target ‖ CI-masked) "
-        f"{held['kl_ci_masked']:.3f}, all masks 1: {held['kl_unmasked']:.0e} nats/token. Median |cos| of a component "
-        f"with its SVD init: v {report['svd_alignment']['median_v']:.3f}, u {report['svd_alignment']['median_u']:.3f}.",
-        f"- **Concept choice** ({scores['rule']}; controls = the other labels of the same file): best score "
-        + ", ".join(f"{k} {v:.3f}" for k, v in scores["selection_scores"].items())
-        + f" → **{chosen}**, component {scores['chosen_top_component']}. Token types where its CI is highest "
-        "(train side, ≥ 3 occurrences, mean CI): "
-        + ", ".join(f"`{t!r}` {g:.2f}" for t, g, n in scores["chosen_top_tokens"][:10])
-        + ".",
-    ]
-    for key, res in final["results"].items():
-        top = scores["scores"][key]["ci"]["top"][:3]
-        first = res["components"][str(top[0]["component"])]
-        lines.append(
-            f"  - {key}: top components by score (mean CI on concept − on control) "
-            + ", ".join(
-                f"{t['component']}: {t['score']:.3f} = {t['concept']:.3f} − {t['control']:.3f}" for t in top
-            )
-            + f"; the top one is norm rank {first['norm_rank']} of {cfg['C']} (|cos| with its SVD init "
-            f"{first['svd_cos_v']:.3f}); top by activation score |x·v_c|·‖u_c‖: "
-            f"{[t['component'] for t in scores['scores'][key]['activation']['top'][:3]]}."
-        )
-    lines += [
-        "",
-        "Ablation on held-out (eval-side) texts, 48 rows × 63 predictions per set (corpus: 42 rows). ΔCE = "
-        "CE(ablated) − CE(clean) in nats per next-token prediction, ± s.e. across rows; Δp = change in the mean "
-        "probability of the correct next token; KL(clean ‖ ablated) per token. Target = the concept's texts; "
-        "other labels = the same file's other labels; corpus = held-out corpus text. Random = norm-matched "
-        "random components (each ablated component replaced by one of the 10 closest in ‖u_c v_cᵀ‖): mean "
-        "[min, max] over 5 draws for top-1, mean over 2 for top-3.",
-        "",
-    ]
-    lines += [ablation_table(final).to_markdown(index=False, disable_numparse=True)]
-    top1 = final["results"][chosen]["top1"]
-    lines += [
-        "",
-        f"Split by the chosen component's own CI at the predicting position ({by_ci['concept']}, component "
-        f"{by_ci['component']}, CI > {by_ci['threshold']} = on; BOS and last positions left out): ΔCE / KL per token.",
-        "",
+def by_ci_table(by_ci: dict) -> pd.DataFrame:
+    """:func:`by_ci_rows` formatted for reading ("–" where no position is counted)."""
+
+    def row(r: Any) -> dict[str, str]:
+        shown = {"set": r.set, "positions": f"CI {r.ci}", "n": str(r.n)}
+        names = ("top-1 ΔCE", "top-1 KL", "random ΔCE (mean [min, max])", "random KL (mean)")
+        if not r.n:
+            return {**shown, **dict.fromkeys(names, "–")}
+        values = (f"{r.delta_ce:+.4f}", f"{r.kl:.4f}",
+                  f"{r.random_delta_ce:+.4f} [{r.random_delta_ce_min:+.4f}, {r.random_delta_ce_max:+.4f}]",
+                  f"{r.random_kl:.4f}")  # fmt: skip
+        return {**shown, **dict(zip(names, values, strict=True))}
+
+    return pd.DataFrame(row(r) for r in by_ci_rows(by_ci).itertuples())
+
+
+def ablation_result(found: dict[str, Any]) -> StudyResult:
+    """The study's result from :func:`run_real_model_study`'s: ``ablation_effects.csv``
+    (:func:`ablation_rows`), ``by_ci.csv`` (:func:`by_ci_rows`) and ``ablation.png``, printed as the two
+    tables; with ``train_only``, the decomposition's held-out metrics alone."""
+    if "ablation" not in found:
+        held = found["decomposition"]["heldout_corpus"]
+        return StudyResult(name="decomposition", text=json.dumps(held, indent=1), value=found)
+    final, by_ci = found["ablation"], found["by_ci"]
+    text = "\n\n".join([
+        f"Ablating components of {final['module']} on held-out texts (ΔCE, Δp, KL per token; random: "
+        "norm-matched components, mean [min, max] over the draws):",
+        ablation_table(final).to_markdown(index=False, disable_numparse=True),
+        f"The top-1 component of {by_ci['concept']} ({by_ci['component']}), split by its own CI at the "
+        f"predicting position (on: CI > {by_ci['threshold']}):",
         by_ci_table(by_ci).to_markdown(index=False, disable_numparse=True),
-    ]
-    e = top1["effects"]
-    r = top1["random_mean"]
-    lines += [
-        "",
-        f"Summary ({chosen}, top-1): target ΔCE {e['target']['delta_ce']:+.4f} vs collateral "
-        f"{e['other_labels']['delta_ce']:+.4f} (other labels) and {e['corpus']['delta_ce']:+.4f} (corpus); "
-        f"norm-matched random components: target {r['target']['delta_ce']:+.4f}, corpus {r['corpus']['delta_ce']:+.4f}. "
-        f"Target/corpus KL ratio {e['target']['kl'] / e['corpus']['kl']:.1f} for the top-1 component, "
-        f"{r['target']['kl'] / r['corpus']['kl']:.1f} for the random ones.",
-        "",
-    ]
-    spread = [x["effects"]["target"]["delta_ce"] for x in top1["random"]]
-    beyond = e["target"]["delta_ce"] > max(spread)
-    moved = report["svd_alignment"]["median_v"]
-    lines += [
-        "Reading (generated from the numbers above):",
-        "",
-        f"- Scoring: the {chosen} component has mean CI "
-        f"{scores['scores'][chosen]['ci']['top'][0]['concept']:.2f} on {chosen} texts vs "
-        f"{scores['scores'][chosen]['ci']['top'][0]['control']:.2f} on the other labels; the best score of any other "
-        f"concept is {max(v for k, v in scores['selection_scores'].items() if k != chosen):.3f} "
-        f"(vs {scores['selection_scores'][chosen]:.3f}).",
-        f"- Ablating that one component raises the target CE by {e['target']['delta_ce']:+.4f} nats/token "
-        f"({100 * e['target']['rel_delta_ce']:.2f}% of {e['target']['ce_clean']:.2f}); this is "
-        + ("above" if beyond else "inside")
-        + f" the range of the 5 norm-matched random components [{min(spread):+.4f}, {max(spread):+.4f}] "
-        f"(mean {r['target']['delta_ce']:+.4f}), i.e. "
-        + ("distinguishable from" if beyond else "not clearly distinguishable from")
-        + " the baseline on this sample. Its collateral damage is small "
-        f"({e['other_labels']['delta_ce']:+.4f} / {e['corpus']['delta_ce']:+.4f}), smaller than the random components' "
-        f"({r['other_labels']['delta_ce']:+.4f} / {r['corpus']['delta_ce']:+.4f}), so the effect is concentrated on the "
-        "target texts, but it is weak in absolute terms: one rank-1 term of one late matrix is a small part of a "
-        "30-layer model's computation.",
-        "- Top-3 adds the components with the largest norms (high CI everywhere): a larger effect, but as large "
-        "off target, i.e. not concept-specific."
-        if any(int(c) < 5 for c in final["results"][chosen]["top3"]["components"][name])
-        else "- Top-3: see the table.",
-    ]
-    if moved > 0.95:
-        lines.append(
-            f"- Caveat: the components barely moved from their SVD init (median |cos| {moved:.3f}). After "
-            f"{report['steps']} steps this is the SVD basis of W with a learned causal-importance function, not a "
-            "converged SPD decomposition; what SPD added is *which* singular direction the CI turns on for the "
-            "concept. A random-init run for tens of thousands of steps (as in the paper) is what it would take to "
-            "test for directions the SVD basis does not contain."
-        )
-    lines.append("")
-    return "\n".join(lines)
+    ])  # fmt: skip
+    return StudyResult(
+        name="ablation_effects",
+        table=ablation_rows(final),
+        tables={"by_ci.csv": by_ci_rows(by_ci)},
+        figures={"ablation.png": plot_ablation(final)},
+        text=text,
+        value=found,
+    )
 
 
 def run(model: Any, options: SPDAblationOptions, out: Path) -> StudyResult:
@@ -632,8 +552,5 @@ def run(model: Any, options: SPDAblationOptions, out: Path) -> StudyResult:
     import shlex
     import sys
 
-    run_real_model_study(model, options, out, command=shlex.join(["mxd-lens", *sys.argv[1:]]))
-    return StudyResult(
-        name="spd-ablation",
-        text=f"wrote {out}/decomposition.json, scores.json, ablation.json, by_ci.json, ablation.png, RESULTS.md",
-    )
+    command = shlex.join(["mxd-lens", *sys.argv[1:]])
+    return ablation_result(run_real_model_study(model, options, out, command=command))

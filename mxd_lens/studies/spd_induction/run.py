@@ -318,7 +318,7 @@ class KeptStateDamaged(ValueError):
 
 def _damaged(path: Path, what: str) -> KeptStateDamaged:
     return KeptStateDamaged(
-        f"kept state {path} {what}: restore it (git checkout / git lfs pull), or give another --keep-in"
+        f"kept state {path} {what}: restore it from where you keep run state, or give another --keep-in"
     )
 
 

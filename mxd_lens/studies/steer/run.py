@@ -76,6 +76,7 @@ def steering_targets(
     from mxd_lens.analysis import probing, tasks
     from mxd_lens.analysis.inspect import top_activations
     from mxd_lens.analysis.steering import ProbeScorer, concept_probe
+    from mxd_lens.layers.registry import layer_arch
 
     data = study.data or tasks.bundled_data()
     sets = {s.name: s for s in tasks.offline_suite(study.per_class, data)}
@@ -117,7 +118,7 @@ def steering_targets(
             targets.append(
                 {
                     "task": task,
-                    "method": type(layer).label,
+                    "arch": layer_arch(layer),  # the key with options: mxd:gate=topk
                     "name": name,
                     "feature": feature,
                     "probe_k1_accuracy": chosen["test_accuracy"],
