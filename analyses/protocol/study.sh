@@ -12,6 +12,8 @@
 #                                           # started from the MLP (--init mlp: E, b_E, D copied), beside
 #                                           # A's and A3's default-init rows (issue 43, part 5)
 #   CACHE=results/cache-mix7-l5-25 bash analyses/protocol/study.sh I2  # part I at blocks 5 and 25
+#   CACHE=results/cache-mix7-l5-25 bash analyses/protocol/study.sh R5   # B/D at block 5 at the rates
+#                                           # sweep_depth.sh chose there (issue 43, part 1); R25: block 25
 #   bash analyses/protocol/study.sh S   # A0's four layers and the standardised-gate MxD in one run, the
 #                                           # layers steer.sh reads (rebuilt after a reset; ~1 hour)
 # Methods: MxD with the paper's gate, MxD with the new variant the sweep chose (sweep.md), the TopK and
@@ -21,7 +23,7 @@
 # Resumable: rerun the same command (checkpoints under results/protocol-PART/runs). THREADS (default 2).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-PART=${1:?give A, A0, A3, B, C, D, I, I2 or S}
+PART=${1:?give A, A0, A3, B, C, D, I, I2, R5, R25 or S}
 CACHE=${CACHE:-results/cache-mix7}  # any cache of the same text holding the part's blocks (cache.sh)
 EXTRA=()
 export HF_HUB_OFFLINE=1 OMP_NUM_THREADS=${THREADS:-2}
@@ -50,7 +52,11 @@ case $PART in
      ARCHS=(mxd "$STD_MXD"); ARCH_LR="mxd=0.002 $STD_MXD=0.002"; EXTRA=(--init mlp) ;;
   I2) POINTS=(--blocks 5 25 --ks 32)  # part I at blocks 5 and 25 (CACHE=results/cache-mix7-l5-25)
       ARCHS=(mxd "$STD_MXD"); ARCH_LR="mxd=0.002 $STD_MXD=0.002"; EXTRA=(--init mlp) ;;
-  *) echo "unknown part $PART: give A, A0, A3, B, C, D, I, I2 or S" >&2; exit 2 ;;
+  R5|R25) POINTS=(--blocks ${PART#R} --ks 32)  # the rates sweep_depth.sh chose at blocks 5 and 25 (the
+      # same at both: every MxD 1e-3, the TopK transcoder 4e-3; the skip transcoder kept 2e-3, so B's row stands)
+      ARCHS=(mxd "$NEW_MXD" "$STD_MXD" transcoder)
+      ARCH_LR="mxd=0.001 $NEW_MXD=0.001 $STD_MXD=0.001 transcoder=0.004" ;;
+  *) echo "unknown part $PART: give A, A0, A3, B, C, D, I, I2, R5, R25 or S" >&2; exit 2 ;;
 esac
 exec .venv/bin/mxd-lens frontier --progress false --text results/data/mix7.txt.xz \
     --eval-fraction 0.05 --eval-tokens 32768 --ood-text $DATA/probing/topic_bbc_news.jsonl.xz \
