@@ -71,7 +71,7 @@ study, rerun = Path("../docs/results/frontier-v2"), Path("../docs/results/fronti
 if (study / "frontier.json").is_file():
     table = load_results(study, [rerun])
     display(plot_frontier(table))
-    display(summarize(table)[["block", "k", "method", "seeds", "delta_ce", "kl", "fvu", "l0", "dead_fraction"]])
+    display(summarize(table)[["block", "k", "arch", "seeds", "delta_ce", "kl", "fvu", "l0", "dead_fraction"]])
 else:
     print(f"{study} not found: run the study (command in docs/results.md), then this notebook again")""",
     ),

@@ -12,6 +12,7 @@ from conftest import make_text_model
 from sae_lens import SAE
 
 from mxd_lens.config import RECOMMENDED_MXD, TrainConfig
+from mxd_lens.layers import arch_label
 from mxd_lens.studies.frontier import FrontierConfig
 from mxd_lens.studies.frontier.run import plot_frontier, run_frontier
 
@@ -32,15 +33,16 @@ def test_frontier_trains_evaluates_and_writes_everything(tmp_path):
     )
     rows = run_frontier(model, config, tmp_path / "out", progress=False)
     # By default the paper's MxD, the recommended one and both transcoders
-    assert sorted((r["method"], r["k"]) for r in rows) == [
+    assert sorted((r["arch"], r["k"]) for r in rows) == [
         (m, k) for m in sorted(("mxd", RECOMMENDED_MXD, "skip_transcoder", "transcoder")) for k in (2, 4)
     ]
-    assert {r["label"] for r in rows} == {
+    assert {arch_label(r["arch"]) for r in rows} == {
         "MxD",
         "MxD (gate=topk, gate_standardize=0.1)",
         "Skip transcoder",
         "Transcoder",
-    }  # rows carry keys, and labels
+    }  # rows carry keys; labels are rendered from them
+    assert all("label" not in r and "method" not in r for r in rows)  # one column: arch
     for row in rows:
         assert row["train_tokens"] == 64 * 12 and row["model"] == "tiny-gated"
         assert row["l0"] <= row["k"] and row["tokens"] >= 200 - 20
@@ -50,7 +52,7 @@ def test_frontier_trains_evaluates_and_writes_everything(tmp_path):
     assert len(pd.read_csv(tmp_path / "out" / "frontier.csv")) == 8
     assert (tmp_path / "out" / "frontier.png").stat().st_size > 10_000
     # Parameter-matched: the MxD and the transcoder have (nearly) the same size.
-    params = {r["method"]: r["params"] for r in rows if r["k"] == 2}
+    params = {r["arch"]: r["params"] for r in rows if r["k"] == 2}
     assert abs(params["mxd"] - params["transcoder"]) / params["transcoder"] < 0.02
     weights = SAE.load_from_disk(tmp_path / "out" / "runs" / "L1.seed0" / "final" / rows[0]["name"])
     assert rows[0]["weights"] == str(tmp_path / "out" / "runs" / "L1.seed0" / "final" / rows[0]["name"])
@@ -81,11 +83,11 @@ def test_frontier_grid_seeds_and_other_eval_text(tmp_path):
     )
     assert config.learners() == [(1, 2, 0), (1, 2, 1), (0, 2, 0)] and config.all_blocks == [0, 1]
     rows = run_frontier(model, config, tmp_path / "out", progress=False)
-    assert sorted((r["block"], r["seed"], r["method"]) for r in rows) == [
+    assert sorted((r["block"], r["seed"], r["arch"]) for r in rows) == [
         (0, 0, "mxd"), (0, 0, "transcoder"), (1, 0, "mxd"), (1, 0, "transcoder"),
         (1, 1, "mxd"), (1, 1, "transcoder"),
     ]  # fmt: skip
-    by = {(r["block"], r["seed"], r["method"]): r for r in rows}
+    by = {(r["block"], r["seed"], r["arch"]): r for r in rows}
     a = SAE.load_from_disk(by[(1, 0, "mxd")]["weights"])
     b = SAE.load_from_disk(by[(1, 1, "mxd")]["weights"])
     assert "L1.seed1" in by[(1, 1, "mxd")]["weights"] and not torch.equal(a.W_enc, b.W_enc)
@@ -122,7 +124,7 @@ def test_summary_means_over_seeds_and_compares_with_the_transcoder(tmp_path):
     (tmp_path / "frontier.json").write_text(json.dumps({"results": rows}))  # written before the rename
     table = load_results(tmp_path)
     assert "block" in table and "layer" not in table
-    summary = summarize(table).set_index(["block", "k", "method"])
+    summary = summarize(table).set_index(["block", "k", "arch"])
     mxd = summary.loc[(15, 32, "mxd")]
     assert (
         mxd.seeds == 2 and mxd.delta_ce == pytest.approx(0.011) and mxd.dead_fraction == pytest.approx(0.005)
@@ -149,7 +151,7 @@ def test_summary_means_over_seeds_and_compares_with_the_transcoder(tmp_path):
     (rerun / "frontier.json").write_text(json.dumps({"results": [point], "train_config": {"grad_clip": 1.0}}))
     merged = load_results(tmp_path, [rerun])
     assert len(merged) == len(rows)
-    mxd0 = merged[(merged.method == "mxd") & (merged.block == 15) & (merged.seed == 0)]
+    mxd0 = merged[(merged.arch == "mxd") & (merged.block == 15) & (merged.seed == 0)]
     assert mxd0.delta_ce.tolist() == [0.003] and mxd0.grad_clip.tolist() == [1.0]
     assert mxd0.study.tolist() == [str(rerun)]
     text = summary_markdown(summarize(merged))
@@ -180,9 +182,8 @@ def test_frontier_variants_rates_and_out_of_domain_text(tmp_path):
         rows_per_shard=16,
         eval_fraction=0.1,
     )
-    rows = {r["method"]: r for r in run_frontier(model, config, tmp_path / "out", progress=False)}
+    rows = {r["arch"]: r for r in run_frontier(model, config, tmp_path / "out", progress=False)}
     assert set(rows) == {"mxd", "mxd:gate=topk", "transcoder"}
-    assert rows["mxd:gate=topk"]["label"] == "MxD (gate=topk)"
     assert (rows["mxd"]["lr"], rows["mxd:gate=topk"]["lr"], rows["transcoder"]["lr"]) == (2e-3, 1e-3, 4e-3)
     assert SAE.load_from_disk(rows["mxd:gate=topk"]["weights"]).cfg.gate == "topk"
     assert rows["mxd:gate=topk"]["l0"] == 2  # the signed gate: every selected code is active
@@ -194,7 +195,7 @@ def test_frontier_variants_rates_and_out_of_domain_text(tmp_path):
     summary = summarize(load_results(tmp_path / "out"))
     text = usage_markdown(summary)
     assert "MxD (gate=topk)" in text and "KL (OOD)" in text and "always on" in text
-    row = summary[summary.method == "mxd:gate=topk"].iloc[0]
+    row = summary[summary.arch == "mxd:gate=topk"].iloc[0]
     assert row.ood_kl == pytest.approx(rows["mxd:gate=topk"]["ood_kl"]) and row.l0 == 2
     with pytest.raises(ValueError, match="write ARCH=LR"):
         dataclasses.replace(config, arch_lr=["mxd:0.001"])
@@ -222,7 +223,7 @@ def test_each_learner_runs_at_its_own_rate_on_the_shared_schedule(tmp_path):
 
 def test_plot_against_measured_l0_places_points_at_their_l0():
     rows = [
-        {"block": 15, "k": k, "method": m, "seed": 0, "delta_ce": 0.01, "kl": 0.01 * k, "fvu": 0.1, "l0": l0,
+        {"block": 15, "k": k, "arch": m, "seed": 0, "delta_ce": 0.01, "kl": 0.01 * k, "fvu": 0.1, "l0": l0,
          "model": "m", "width_multiplier": 8, "train_tokens": 100}
         for m, ratio in (("mxd", 0.25), ("transcoder", 1.0)) for k in (16, 32) for l0 in [ratio * k]
     ]  # fmt: skip
@@ -245,7 +246,7 @@ def test_frontier_starts_mxd_from_the_mlp_on_request(tmp_path):
                             eval_fraction=0.1, archs=["mxd", "transcoder"], init="mlp")  # fmt: skip
     assert _init("mxd:gate=topk", config) == "mlp" and _init("transcoder", config) == "default"
     rows = run_frontier(model, config, tmp_path / "out", progress=False)
-    assert sorted((r["method"], r["init"]) for r in rows) == [("mxd", "mlp"), ("transcoder", "default")]
+    assert sorted((r["arch"], r["init"]) for r in rows) == [("mxd", "mlp"), ("transcoder", "default")]
     names = sorted(p.name for p in (tmp_path / "out" / "runs" / "L1.seed0" / "final").iterdir() if p.is_dir())
     assert names == ["L1.mxd.k2.m8.init-mlp", "L1.transcoder.k2.m8"]
     with pytest.raises(ValueError, match="init='given': choose 'default' or 'mlp'"):

@@ -160,9 +160,9 @@ class FrontierOptions(FrontierConfig):
 @dataclass
 class ReportOptions:
     """Redraw a frontier study's plots and write OUT/summary.md from OUT/frontier.json (nothing is
-    trained): the mean over seeds per (block, K, method) with each method's ΔCE and KL over the TopK
+    trained): the mean over seeds per (block, K, arch) with each method's ΔCE and KL over the TopK
     transcoder's, and, where the rows have them, the units' usage and the out-of-domain metrics, plotted
     against K and against the L0 each layer measured."""
 
     override: list[str] = field(default_factory=list)
-    """other studies' folders whose rows replace OUT's at the same (block, K, method, seed)"""
+    """other studies' folders whose rows replace OUT's at the same (block, K, arch, seed)"""

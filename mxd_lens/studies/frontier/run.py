@@ -170,8 +170,7 @@ def run_frontier(
         for row in rows:
             spec = trainer.learners[row["name"]].spec
             row.update(
-                method=spec.method,  # the architecture key with its options: "mxd", "mxd:gate=topk"
-                label=arch_label(spec.method),
+                arch=spec.method,  # the architecture key with its options: "mxd", "mxd:gate=topk"
                 seed=seed,
                 width_multiplier=spec.width_multiplier,
                 init=spec.init,
@@ -223,7 +222,7 @@ def frontier_result(rows: list[dict[str, Any]], config: FrontierConfig) -> Study
         record=record,
         figures={"frontier.png": plot_frontier(table)},
         columns=columns(
-            "label",
+            "arch",
             "block",
             "k",
             "seed",
@@ -243,13 +242,13 @@ def load_results(path: str | Path, overrides: Sequence[str | Path] = ()) -> Any:
     """The rows of a frontier.json (``path``: the file or its folder) as a DataFrame; results written
     before the block/layer rename (a ``layer`` column) are read with it named ``block``. Each of
     ``overrides`` (another study's frontier.json or folder, e.g. a rerun of one point with other
-    settings) replaces the rows of the same (block, K, method, seed) and adds its others. Every row
+    settings) replaces the rows of the same (block, K, arch, seed) and adds its others. Every row
     has ``grad_clip``: the trainer's gradient clipping (None: off, as before it existed) and
     ``study``: the folder it came from."""
     import pandas as pd
 
     tables = [_read_results(Path(p)) for p in (path, *overrides)]
-    keys = ["block", "k", "method", "seed"]
+    keys = ["block", "k", "arch", "seed"]
     table = tables[0]
     for other in tables[1:]:
         replaced = table.set_index(keys).index.isin(other.set_index(keys).index)
@@ -270,11 +269,15 @@ def _read_results(path: Path) -> Any:
         table = table.rename(columns={"layer": "block"})
     if "seed" not in table:
         table["seed"] = 0
-    # rows name the method by its label ("MxD"); the summary keys it by architecture ("mxd")
+    # rows name the architecture by its key ("mxd", "mxd:gate=topk") in ``arch``; rows written before
+    # it have ``method``, holding the key or, older still, the label ("MxD")
     from mxd_lens.layers import ARCHITECTURES
 
-    keys = {cls.label: key for key, cls in ARCHITECTURES.items()}  # rows written before keys were
-    table["method"] = table["method"].map(lambda m: keys.get(m, m))
+    if "arch" not in table and "method" in table:
+        table = table.rename(columns={"method": "arch"})
+    table = table.drop(columns=["label"], errors="ignore")  # rendered from the key where shown
+    keys = {cls.label: key for key, cls in ARCHITECTURES.items()}
+    table["arch"] = table["arch"].map(lambda m: keys.get(m, m))
     if "grad_clip" not in table:  # rows written before it was recorded per row: the study's setting
         table["grad_clip"] = (record.get("train_config") or {}).get("grad_clip")
     table["study"] = str(path.parent)
@@ -289,11 +292,11 @@ USAGE_METRICS = ("always_on", "effective_units", "top1_fvu", "jacobian_cos", "oo
 
 
 def summarize(table: Any) -> Any:
-    """One row per (block, K, method): the mean over seeds of each metric, ``seeds``, the ΔCE range
+    """One row per (block, K, arch): the mean over seeds of each metric, ``seeds``, the ΔCE range
     over seeds (``delta_ce_min``, ``delta_ce_max``), and ``delta_ce_vs_transcoder``: the method's mean
     ΔCE over the TopK transcoder's at the same block and K (NaN where there is none, or where the
     transcoder's ΔCE is not positive), and ``kl_vs_transcoder`` likewise for KL (always defined: KL >= 0)."""
-    keys = ["block", "k", "method"]
+    keys = ["block", "k", "arch"]
     grouped = table.groupby(keys)
     extra = [m for m in USAGE_METRICS if m in table and table[m].notna().any()]
     summary = grouped[list(SUMMARY_METRICS) + extra].mean()
@@ -307,17 +310,17 @@ def summarize(table: Any) -> Any:
         # the seeds' common setting; "mixed" where they differ (their mean mixes two recipes)
         summary["grad_clip"] = grouped["grad_clip"].agg(_common_clip)
     summary = summary.reset_index()
-    reference = summary[summary["method"] == "transcoder"].set_index(["block", "k"])["delta_ce"]
+    reference = summary[summary["arch"] == "transcoder"].set_index(["block", "k"])["delta_ce"]
     ratio = summary.set_index(["block", "k"]).index.map(lambda key: reference.get(key, float("nan")))
     reference = ratio.to_numpy(dtype=float)
     # a ratio of ΔCE means something only over a positive reference (a layer can lower the CE)
     summary["delta_ce_vs_transcoder"] = summary["delta_ce"].to_numpy() / np.where(
         reference > 0, reference, np.nan
     )
-    kl = summary[summary["method"] == "transcoder"].set_index(["block", "k"])["kl"]
+    kl = summary[summary["arch"] == "transcoder"].set_index(["block", "k"])["kl"]
     kl_ref = summary.set_index(["block", "k"]).index.map(lambda key: kl.get(key, float("nan")))
     summary["kl_vs_transcoder"] = summary["kl"].to_numpy() / kl_ref.to_numpy(dtype=float)
-    return summary.sort_values(keys, key=lambda c: c.map(_METHOD_ORDER) if c.name == "method" else c)
+    return summary.sort_values(keys, key=lambda c: c.map(_METHOD_ORDER) if c.name == "arch" else c)
 
 
 def _common_clip(values: Any) -> Any:
@@ -333,7 +336,7 @@ _METHOD_ORDER = {"mxd": 0, "skip_transcoder": 1, "transcoder": 2, "batchtopk_tra
 
 
 def usage_markdown(summary: Any) -> str:
-    """The review protocol's table: per (block, K, method) the L0 each layer measured, how its units are
+    """The review protocol's table: per (block, K, arch) the L0 each layer measured, how its units are
     used, its fidelity in domain (KL, ΔCE, FVU, Jacobian cosine) and on the out-of-domain text, with the
     min–max over seeds where there are several. Empty when the rows lack these metrics."""
     import pandas as pd
@@ -351,7 +354,7 @@ def usage_markdown(summary: Any) -> str:
 
     rows = [
         {
-            "block": int(r.block), "K": int(r.k), "method": arch_label(r.method), "seeds": int(r.seeds),
+            "block": int(r.block), "K": int(r.k), "method": arch_label(r.arch), "seeds": int(r.seeds),
             "L0": spread(r, "l0", ".1f"), "always on": f"{r.always_on:.0f}",
             "effective": f"{r.effective_units:.1f}", "top-1 FVU": f"{r.top1_fvu:.2f}",
             "silent": f"{100 * r.dead_fraction:.0f}%", "KL": spread(r, "kl", ".4f"), "ΔCE": f"{r.delta_ce:+.4f}",
@@ -375,7 +378,7 @@ def summary_markdown(summary: Any) -> str:
             {
                 "block": int(r.block),
                 "K": int(r.k),
-                "method": r.method,
+                "arch": r.arch,
                 "seeds": int(r.seeds),
                 "ΔCE": f"{r.delta_ce:+.4f}{spread}",
                 "ΔCE / transcoder's": ""
@@ -420,7 +423,7 @@ def plot_frontier(table: Any, path: Path | None = None, x: str = "k", prefix: st
     axes = fig.subplots(len(panels), len(blocks), squeeze=False)
     ks = sorted(table["k"].unique())
     for col, block in enumerate(blocks):
-        for method, group in table[table["block"] == block].groupby("method"):
+        for method, group in table[table["block"] == block].groupby("arch"):
             label = arch_label(method)
             for row, (column, _, _) in enumerate(panels):
                 stats = group.groupby("k")[prefix + column].agg(["mean", "min", "max"]).sort_index()
@@ -469,7 +472,7 @@ def run(model: Any, options: FrontierOptions, out: Path, progress: bool | None =
 def report(model: Any, options: ReportOptions, out: Path) -> StudyResult:
     """The verb ``mxd-lens frontier-report``: summary.md and the plots (against K, and against measured
     L0 in and out of domain where the rows have the usage diagnostics) from OUT/frontier.json, with the
-    rows of ``options.override`` studies in place of OUT's at the same (block, K, method, seed)."""
+    rows of ``options.override`` studies in place of OUT's at the same (block, K, arch, seed)."""
     table = load_results(out, options.override)
     summary = summarize(table)
     text = summary_markdown(summary)
