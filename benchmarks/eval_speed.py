@@ -42,8 +42,8 @@ from mxd_lens import hooks
 from mxd_lens.activations import ModelActivations
 from mxd_lens.config import DEFAULT_MODEL
 from mxd_lens.evaluation import evaluate
+from mxd_lens.layers.learners import LearnerSpec, build_layer
 from mxd_lens.models import load_model
-from mxd_lens.training import LearnerSpec, build_layer
 
 PREVIOUS = "f347acf"  # main before the evaluation rewrite
 DENSE = "deba1f2"  # main before the vocabulary-sized work was chunked (issue 30)

@@ -53,8 +53,9 @@ import torch
 
 import mxd_lens
 from mxd_lens.activations import CachedActivations
+from mxd_lens.layers.learners import LearnerSpec, build_layer
 from mxd_lens.layers.nonlinearity import get_activation
-from mxd_lens.training import LearnerSpec, TrainConfig, Trainer, build_layer
+from mxd_lens.training import TrainConfig, Trainer
 
 ARCHS = ("mxd", "skip_transcoder", "transcoder")
 PREVIOUS = dict(normalize="none", aux_coefficient=0.0, lr_schedule="constant")

@@ -28,7 +28,8 @@ import torch
 
 from mxd_lens.activations import CachedActivations
 from mxd_lens.config import TrainConfig
-from mxd_lens.training import LearnerSpec, Trainer
+from mxd_lens.layers.learners import LearnerSpec
+from mxd_lens.training import Trainer
 
 
 class _Stopping(Trainer):

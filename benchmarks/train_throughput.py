@@ -60,7 +60,8 @@ import torch
 import mxd_lens
 from mxd_lens import hooks
 from mxd_lens.activations import CachedActivations, ModelActivations, shuffled_batches, write_cache
-from mxd_lens.training import LearnerSpec, TrainConfig, Trainer, build_layer
+from mxd_lens.layers.learners import LearnerSpec, build_layer
+from mxd_lens.training import TrainConfig, Trainer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from layer_speed import _machine_busy_s, _own_cpu_s  # noqa: E402  (shared CPU accounting)

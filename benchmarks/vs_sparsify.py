@@ -41,8 +41,9 @@ import torch
 from mxd_lens import data
 from mxd_lens.activations import ModelActivations
 from mxd_lens.config import DEFAULT_MODEL
+from mxd_lens.layers.learners import LearnerSpec
 from mxd_lens.models import hf_folder, load_model
-from mxd_lens.training import LearnerSpec, TrainConfig, Trainer
+from mxd_lens.training import TrainConfig, Trainer
 
 
 def token_rows(model, text, split, n_rows, context):

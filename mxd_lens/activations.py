@@ -816,27 +816,27 @@ def open_stream(
     a model and a stream are checked to agree; each refusal names what to give instead."""
     from mxd_lens.models import is_named, load_host, model_identity, model_source
 
-    if cache is None:
-        if not (config.model and config.text):
-            raise ValueError("give --cache DIR, or --model and --text to stream from the model")
+    if cache is not None:
+        source = CachedActivations(cache, blocks=blocks, shuffle=shuffle)
+        if not config.model:
+            return source, None
         model = load_host(config)
-        return ModelActivations.from_config(model, blocks or [], config), model
-    source = CachedActivations(cache, blocks=blocks, shuffle=shuffle)
-    if not config.model:
-        return source, None
+        cached, loaded = source.model_source or {}, model_source(model)
+        if "kind" in cached and model_identity(cached) != model_identity(loaded):
+            raise ValueError(
+                f"--model {config.model} is {model_identity(loaded)}, but the cache {cache} was made with "
+                f"{model_identity(cached)}; give the cache's model or leave --model out"
+            )
+        if not is_named(model, source.info.model_name):
+            raise ValueError(
+                f"--model {config.model} is {model.cfg.model_name!r}, but the cache {cache} was made with "
+                f"{source.info.model_name!r}; give the cache's model or leave --model out"
+            )
+        return source, model
+    if not (config.model and config.text):
+        raise ValueError("give --cache DIR, or --model and --text to stream from the model")
     model = load_host(config)
-    cached, loaded = source.model_source or {}, model_source(model)
-    if "kind" in cached and model_identity(cached) != model_identity(loaded):
-        raise ValueError(
-            f"--model {config.model} is {model_identity(loaded)}, but the cache {cache} was made with "
-            f"{model_identity(cached)}; give the cache's model or leave --model out"
-        )
-    if not is_named(model, source.info.model_name):
-        raise ValueError(
-            f"--model {config.model} is {model.cfg.model_name!r}, but the cache {cache} was made with "
-            f"{source.info.model_name!r}; give the cache's model or leave --model out"
-        )
-    return source, model
+    return ModelActivations.from_config(model, blocks or [], config), model
 
 
 def _permuted(shard: Shard, generator: torch.Generator) -> Shard:

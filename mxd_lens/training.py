@@ -30,12 +30,10 @@ everything, so a killed run ends bit-identical to an unbroken one.
 from __future__ import annotations
 
 import copy
-import dataclasses
 import hashlib
 import json
 import logging
 import math
-import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -44,19 +42,18 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
-from mxd_lens import hooks
 from mxd_lens.activations import (
     CachedActivations,
     ModelActivations,
-    StreamInfo,
     open_stream,
     shuffled_batches,
     upgrade_stream_record,
 )
-from mxd_lens.config import WIDTH_MULTIPLIER, LearnersConfig, TrainConfig, TrainRun
+from mxd_lens.config import TrainConfig, TrainRun
 from mxd_lens.fileio import atomic_write_text
 from mxd_lens.firing import FiringTracker
-from mxd_lens.layers import MLPReplacement, architecture_key, get_architecture
+from mxd_lens.layers import MLPReplacement
+from mxd_lens.layers.learners import LearnerSpec, build_learners, check_archs, learner_specs
 from mxd_lens.loop import TrainingLoop
 from mxd_lens.records import TrainingRecord
 
@@ -65,154 +62,6 @@ _FREE = ("total_tokens", "epochs", "log_every", "checkpoint_every", "keep_checkp
 
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class LearnerSpec:
-    """One layer to train. ``width_multiplier`` m sets the transcoder width H = m * d_in; an MxD gets
-    the experts that match that transcoder's parameters (``match_experts``). None (the default): the
-    run's stream chooses it, ``matching.default_width_multiplier`` (8, or more on hosts whose MLP is too
-    wide for a width-8 match), set by the Trainer on the spec itself and logged. ``d_sae`` instead sets
-    the number of units (experts / latents) directly."""
-
-    arch: str  # a key of mxd_lens.ARCHITECTURES (the built-in ones, or one registered)
-    block: int  # the transformer block whose MLP it replaces
-    k: int
-    width_multiplier: int | None = None
-    init: Literal["default", "mlp", "given"] = "default"  # "mlp": the host MLP's weights in the layer's
-    # dense path (an architecture with ``copies_host_mlp``: MxD's E, b_E, D);
-    # "given": a layer built by the caller (Trainer takes the layer itself in place of a spec)
-    d_sae: int | None = None
-    normalize_decoder: bool | None = (
-        None  # None: the architecture's unit_norm_decoder (off for the skip transcoder)
-    )
-    lr: float | None = None  # this learner's peak rate (None: the run's ``TrainConfig.lr``); same schedule
-    options: dict[str, Any] = field(default_factory=dict)
-    """config fields of the architecture, e.g. {"gate": "topk"} for MxD; ``arch`` may carry them as
-    ``"mxd:gate=topk,balance_rate=0.001"`` (``mxd_lens.layers.parse_arch``)"""
-
-    def __post_init__(self) -> None:
-        from mxd_lens.layers import parse_arch
-
-        key, options = parse_arch(self.arch)
-        if options:
-            clash = sorted(set(options) & set(self.options))
-            if clash:
-                raise ValueError(f"{self.arch!r}: {clash} given twice (in the arch string and in options)")
-            self.arch, self.options = key, {**options, **self.options}
-        for name in ("k", "width_multiplier", "d_sae"):
-            value = getattr(self, name)
-            if value is not None and not value > 0:
-                option = "--" + name.replace("_", "-")
-                raise ValueError(f"{name}={value} ({option}) must be positive")
-        if self.lr is not None and not (isinstance(self.lr, (int, float)) and 0 < self.lr < float("inf")):
-            raise ValueError(f"{self.arch}: lr={self.lr!r} must be a positive number (None: the run's rate)")
-        layer_cls = get_architecture(self.arch)  # a clear error for an unknown key
-        allowed = _option_fields(layer_cls)
-        unknown = sorted(set(self.options) - allowed)
-        if unknown:
-            raise ValueError(
-                f"{self.arch}: {unknown} cannot be set as options; {layer_cls.config_class.__name__}'s "
-                f"options are {sorted(allowed) or 'none'}"
-            )
-        if self.init == "mlp" and not layer_cls.copies_host_mlp:
-            raise ValueError(
-                f"init='mlp' copies the host MLP's weights into the layer; {self.arch} has no part that takes "
-                "them: use init='default'"
-            )
-
-    @property
-    def name(self) -> str:
-        init = "" if self.init == "default" else f".init-{self.init}"
-        if self.d_sae is not None:
-            size = f"n{self.d_sae}"
-        elif self.width_multiplier is None:
-            raise ValueError(
-                f"LearnerSpec({self.arch!r}, block {self.block}): its width multiplier is chosen from the stream, "
-                "so it has no name until a Trainer (or LearnerSpec.size_for(stream info)) has sized it; or give "
-                "width_multiplier"
-            )
-        else:
-            size = f"m{self.width_multiplier}"
-        method = self.method.replace(":", "-").replace(",", "-")  # a folder name anywhere
-        lr = "" if self.lr is None else f".lr{self.lr:g}"
-        return f"L{self.block}.{method}.k{self.k}.{size}{lr}{init}"
-
-    @property
-    def method(self) -> str:
-        """The architecture key with its options, as ``parse_arch`` reads it: ``mxd``, ``mxd:gate=topk``."""
-        from mxd_lens.layers import format_arch
-
-        return format_arch(self.arch, self.options)
-
-    @classmethod
-    def of(cls, layer: MLPReplacement) -> LearnerSpec:
-        """The spec of a layer built elsewhere (``init="given"``)."""
-        from mxd_lens import hooks
-
-        key = architecture_key(layer)
-        defaults = {f.name: f.default for f in dataclasses.fields(layer.cfg)}
-        options = {
-            name: getattr(layer.cfg, name)
-            for name in layer.cfg.variant_fields
-            if getattr(layer.cfg, name) != defaults[name]
-        }
-        return cls(
-            key, hooks.block_of(layer), layer.cfg.k, init="given", d_sae=layer.cfg.d_sae, options=options
-        )
-
-    def size_for(self, info: StreamInfo) -> bool:
-        """Set the width multiplier, if not given, to the one chosen for the stream ``info`` describes
-        (``matching.default_width_multiplier``: every learner of a run gets the same m). In place, as the
-        Trainer does for the specs it is given, so that ``spec.name`` then names the trained layer.
-        True if it was chosen here."""
-        if self.width_multiplier is not None:
-            return False
-        self.width_multiplier = default_width(info)
-        return True
-
-    @property
-    def normalizes_decoder(self) -> bool:
-        if self.normalize_decoder is None:
-            return get_architecture(self.arch).unit_norm_decoder
-        return self.normalize_decoder
-
-
-def default_width(info: StreamInfo) -> int:
-    """The width multiplier a run on this stream uses when none is given (``default_width_multiplier``)."""
-    from mxd_lens.matching import default_width_multiplier
-
-    d_hidden = info.d_hidden or 4 * info.d_out  # a stream recorded before d_hidden was: GPT-2's ratio
-    return default_width_multiplier(info.d_in, info.d_out, d_hidden, glu=info.gated, floor=WIDTH_MULTIPLIER)
-
-
-def build_layer(
-    spec: LearnerSpec, info: StreamInfo, seed: int, dtype: str = "float32", device: str = "cpu"
-) -> MLPReplacement:
-    """A fresh layer for ``spec`` on the stream ``info`` describes, initialised from ``seed``."""
-    from sae_lens.saes.sae import SAEMetadata
-
-    if spec.block not in info.blocks:
-        raise ValueError(f"{spec.name}: the stream holds blocks {info.blocks}, not {spec.block}")
-    spec.size_for(info)
-    width = spec.width_multiplier * info.d_in
-    hook_in, hook_out = info.hook_names[str(spec.block)]
-    common = dict(
-        d_in=info.d_in,
-        d_out=info.d_out,
-        k=spec.k,
-        dtype=dtype,
-        device=device,
-        metadata=SAEMetadata(
-            model_name=info.model_name, hook_name=hook_in, hook_name_out=hook_out, hook_layer=spec.block
-        ),
-    )
-    torch.manual_seed(seed)
-    layer_cls = get_architecture(spec.arch)
-    cfg = layer_cls.config_for_stream(info, width, **common, **spec.options)
-    if spec.d_sae is not None:
-        cfg = dataclasses.replace(cfg, d_sae=spec.d_sae)
-    return layer_cls(cfg)
 
 
 @dataclass
@@ -227,63 +76,6 @@ class _Learner:
     firing: FiringTracker
     history: list[dict[str, float]] = field(default_factory=list)
     clipped: int = 0  # steps whose gradient norm was over TrainConfig.grad_clip
-
-
-def _admit(
-    item: LearnerSpec | MLPReplacement, index: int, info: StreamInfo, seed: int, model: Any, device: str
-) -> tuple[LearnerSpec, MLPReplacement]:
-    """A learner's spec and its layer: a spec is built into a fresh layer (seeded by the run's seed and
-    its place in the list), a caller's layer is checked against the stream and described by a spec."""
-    if isinstance(item, MLPReplacement):
-        spec = LearnerSpec.of(item)
-        _check_given(item, spec, info)
-        return spec, item.to(device)
-    item.size_for(info)
-    if item.init == "given":
-        raise ValueError(
-            f"{item.name}: init='given' means a layer built by the caller; pass the layer itself"
-        )
-    layer = build_layer(item, info, seed=seed * 7919 + index, device=device)
-    if item.init == "mlp":
-        if model is None:
-            raise ValueError(
-                f"{item.name}: init='mlp' needs the model (from a cache: give --model, the model the cache was made with)"
-            )
-        layer.copy_hidden_from_mlp(model, item.block)  # rescaled once the scales are known
-    return item, layer
-
-
-def check_archs(archs: Sequence[str]) -> None:
-    """Refuse an architecture no one registered (after loading installed plug-ins), before any heavy
-    work (at run time rather than parse time, so that ``--help`` stays light)."""
-    from mxd_lens.layers import ARCHITECTURES, parse_arch
-    from mxd_lens.layers.registry import load_plugins
-
-    if any(parse_arch(a)[0] not in ARCHITECTURES for a in archs):
-        load_plugins()
-    unknown = [a for a in archs if parse_arch(a)[0] not in ARCHITECTURES]
-    if unknown:
-        raise ValueError(
-            f"--arch {' '.join(unknown)}: not a key of mxd_lens.ARCHITECTURES {list(ARCHITECTURES)} "
-            "(a third-party architecture: `mxd-lens --import MODULE train ...`, or install its plug-in)"
-        )
-
-
-def learner_specs(learners: LearnersConfig, blocks: Sequence[int]) -> list[LearnerSpec]:
-    """Every combination of ``learners``' architectures x K x width multipliers at every block."""
-    return [
-        LearnerSpec(
-            arch,
-            block,
-            k,
-            m,
-            init=learners.init if get_architecture(arch.partition(":")[0]).copies_host_mlp else "default",
-        )  # fmt: skip
-        for block in blocks
-        for arch in learners.arch
-        for k in learners.k
-        for m in learners.width_multiplier or [None]
-    ]
 
 
 def train(run: TrainRun) -> dict[str, dict[str, float]]:
@@ -344,24 +136,12 @@ class Trainer(TrainingLoop):
         if config.batch_tokens % self.world:
             raise ValueError(f"batch_tokens={config.batch_tokens} must divide over {self.world} ranks")
         self.epoch_tokens = getattr(source, "epoch_tokens", None)
-        self.total_tokens = config.tokens_for(self.epoch_tokens)
-        self.total_steps = self.total_tokens // config.batch_tokens
-        self.dead_window = config.dead_window_for(self.total_tokens)
-        self._check_budget()
+        self.total_tokens, self.total_steps, self.dead_window = config.budget(
+            self.epoch_tokens, say=not self.rank
+        )
         self.k_aux = config.k_aux if config.k_aux is not None else max(1, source.info.d_out // 2)
         # Specs become layers here, once; from now on the trainer works on the layers.
-        chosen = sorted({default_width(source.info) for item in specs
-                         if isinstance(item, LearnerSpec) and item.width_multiplier is None and item.d_sae is None})  # fmt: skip
-        admitted = [_admit(item, i, source.info, config.seed, model, device) for i, item in enumerate(specs)]
-        names = [spec.name for spec, _ in admitted]
-        if chosen:
-            log.info("width multiplier m = %d (%s; width_multiplier / --width-multiplier sets it)", chosen[0],
-                     "the default" if chosen[0] == WIDTH_MULTIPLIER else
-                     f"raised from {WIDTH_MULTIPLIER}: this host's MLP ({source.info.d_hidden} wide"
-                     f"{', GLU' if source.info.gated else ''}) would leave a width-{WIDTH_MULTIPLIER} match fewer "
-                     f"than d_model = {source.info.d_in} experts")  # fmt: skip
-        if not admitted or len(set(names)) != len(names):
-            raise ValueError(f"need one or more learners with distinct names, got {names}")
+        admitted, _ = build_learners(specs, source.info, config.seed, model, device)
         self.learners: dict[str, _Learner] = {}
         for spec, layer in admitted:
             if config.aux_coefficient > 0 and self.k_aux > layer.cfg.d_sae - layer.cfg.k:
@@ -374,7 +154,7 @@ class Trainer(TrainingLoop):
             scale = 1.0 if spec.lr is None else spec.lr / config.lr
             optimizer = torch.optim.Adam(
                 [{"params": list(layer.parameters()), "lr_scale": scale}],
-                lr=self.lr_at(0) * scale,
+                lr=config.lr_at(0, self.total_steps) * scale,
                 betas=config.betas,
                 fused=True,
             )
@@ -408,46 +188,6 @@ class Trainer(TrainingLoop):
         out_dir. The run folder is locked while training: a second trainer on it gets ``RunLocked``.
         Returns each learner's last metrics."""
         return super().fit(resume)
-
-    def _check_budget(self) -> None:
-        """Say up front what the token budget means for the stream, before any work is done."""
-        if self.epoch_tokens is None or self.rank:
-            return
-        if self.config.batch_tokens > self.epoch_tokens:
-            raise ValueError(
-                f"batch_tokens={self.config.batch_tokens:,} (--batch-tokens) is more than the whole cache "
-                f"({self.epoch_tokens:,} tokens): every step would repeat it; cache more text or use smaller batches"
-            )
-        if self.config.norm_tokens > self.epoch_tokens and self.config.normalize != "none":
-            sample = min(self.config.norm_tokens, self.total_tokens)
-            warnings.warn(
-                f"norm_tokens={self.config.norm_tokens:,} (--norm-tokens) is more than the cache holds "
-                f"({self.epoch_tokens:,} tokens): the normalisation scales are estimated on the first "
-                f"{sample:,} training tokens"
-                + (", part of the cache read twice" if sample > self.epoch_tokens else "")
-                + "; cache more text or lower --norm-tokens",
-                stacklevel=3,
-            )
-        epochs = self.total_tokens / self.epoch_tokens
-        if epochs > 10:
-            warnings.warn(
-                f"{self.total_tokens:,} training tokens read the cache {epochs:.1f} times ({self.epoch_tokens:,} "
-                "tokens in it): more than 10 epochs risks overfitting it; cache more text",
-                stacklevel=3,
-            )
-        elif epochs > 1:
-            log.info(
-                "note: %s training tokens are %.2f epochs over the cache (%s tokens), each under a new shuffle",
-                f"{self.total_tokens:,}",
-                epochs,
-                f"{self.epoch_tokens:,}",
-            )
-        if self.total_steps < 100:
-            warnings.warn(
-                f"{self.total_steps} steps of {self.config.batch_tokens} tokens barely pass initialisation; "
-                "use more tokens or epochs, or smaller batches",
-                stacklevel=3,
-            )
 
     # -- the loop (mxd_lens.loop.TrainingLoop runs it) --------------------------------------------
     def batch_stream(self):
@@ -783,43 +523,10 @@ class TrainerState:
         self.trainer.loss_scale = {int(k): v for k, v in state["loss_scale"].items()}
 
 
-def _option_fields(layer_cls: type) -> set[str]:
-    """The fields an architecture adds to LayerConfig: what LearnerSpec.options may set."""
-    from mxd_lens.layers import LayerConfig
-
-    return {f.name for f in dataclasses.fields(layer_cls.config_class)} - {
-        f.name for f in dataclasses.fields(LayerConfig)
-    }
-
-
 def _version() -> str:
     from mxd_lens import __version__
 
     return __version__
-
-
-def _check_given(layer: MLPReplacement, spec: LearnerSpec, info: StreamInfo) -> None:
-    """A caller's layer must fit the stream: its block, widths and model."""
-    if spec.block not in info.blocks:
-        raise ValueError(f"{spec.name}: the stream holds blocks {info.blocks}, not {spec.block}")
-    if (layer.cfg.d_in, layer.cfg.d_out) != (info.d_in, info.d_out):
-        raise ValueError(
-            f"{spec.name}: the layer maps {layer.cfg.d_in} -> {layer.cfg.d_out}, the stream {info.d_in} -> {info.d_out}"
-        )
-    model_name = layer.cfg.metadata.model_name
-    if model_name and model_name != info.model_name:
-        raise ValueError(
-            f"{spec.name}: the layer was built for {model_name!r}, the stream is {info.model_name!r}"
-        )
-    writes, targets = hooks.writes_of(layer), info.writes(spec.block)
-    if writes != targets:
-        raise ValueError(
-            f"{spec.name}: the layer writes {hooks.out_hook(spec.block, writes)}, but the stream's targets are "
-            f"{hooks.out_hook(spec.block, targets)} (on Gemma-2/3 and OLMo-2/3 these differ: the block "
-            "normalises the MLP output between them): "
-            f"build the layer with writes={targets!r} (.for_model / MxD.from_mlp), or stream the other "
-            f"output (ModelActivations(..., writes={writes!r}))"
-        )
 
 
 def _chain(head, stream):

@@ -98,7 +98,8 @@ every learner). A real run uses a cache and several epochs (`mxd-lens cache`, `m
     (
         "code",
         """from mxd_lens.activations import ModelActivations
-from mxd_lens.training import LearnerSpec, TrainConfig, Trainer
+from mxd_lens.layers.learners import LearnerSpec
+from mxd_lens.training import TrainConfig, Trainer
 
 stream = ModelActivations.from_text(model, [1], str(work / "corpus.txt"), context_size=16, rows_per_shard=32)
 trainer = Trainer([mxd, LearnerSpec("transcoder", 1, k=4)], stream,

@@ -30,7 +30,8 @@ from mxd_lens.activations import CachedActivations, ModelActivations, write_cach
 from mxd_lens.data import default_text
 from mxd_lens.evaluation import evaluate, held_out_batches
 from mxd_lens.models import load_model
-from mxd_lens.training import LearnerSpec, TrainConfig, Trainer
+from mxd_lens.layers.learners import LearnerSpec
+from mxd_lens.training import TrainConfig, Trainer
 
 work = Path("../results/notebook-smollm2")
 model = load_model()  # SmolLM2-135M-Instruct, offline

@@ -16,7 +16,8 @@ from mxd_lens import BatchTopKTranscoder, BatchTopKTranscoderConfig
 from mxd_lens.activations import ModelActivations, write_cache
 from mxd_lens.cli import build_parser
 from mxd_lens.layers import ops
-from mxd_lens.training import LearnerSpec, TrainConfig, Trainer
+from mxd_lens.layers.learners import LearnerSpec
+from mxd_lens.training import TrainConfig, Trainer
 
 
 def make_layer(d_in=8, d_sae=40, k=3, seed=0, dtype="float64", bias=0.0):

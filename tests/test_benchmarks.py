@@ -150,7 +150,8 @@ def test_stability_runs_each_clip_on_one_cache_and_counts_what_it_clipped(tmp_pa
     from test_activations import random_rows
 
     from mxd_lens.activations import CachedActivations, ModelActivations, write_cache
-    from mxd_lens.training import LearnerSpec, TrainConfig, Trainer
+    from mxd_lens.layers.learners import LearnerSpec
+    from mxd_lens.training import TrainConfig, Trainer
 
     write_cache(ModelActivations(make_model(), [1], random_rows(), 12, 16), tmp_path / "cache", n_shards=3)
     histories = stability.main(

@@ -19,8 +19,9 @@ from test_activations import random_rows
 import mxd_lens
 from mxd_lens.activations import ModelActivations
 from mxd_lens.cli import build_parser, main
+from mxd_lens.layers.learners import LearnerSpec
 from mxd_lens.layers.registry import layer_arch
-from mxd_lens.training import LearnerSpec, TrainConfig, Trainer
+from mxd_lens.training import TrainConfig, Trainer
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "custom_layers.md"
 KEY = "lowrank_skip_transcoder"

@@ -189,7 +189,8 @@ def check_train(h: Host) -> str:
     import mxd_lens  # noqa: F401  (registers our architectures with SAELens)
     from mxd_lens.activations import ModelActivations
     from mxd_lens.config import RECOMMENDED_MXD
-    from mxd_lens.training import LearnerSpec, TrainConfig, Trainer
+    from mxd_lens.layers.learners import LearnerSpec
+    from mxd_lens.training import TrainConfig, Trainer
 
     model, block = h.model, 1
     text = h.work / "corpus.txt"

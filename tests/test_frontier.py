@@ -205,7 +205,8 @@ def test_frontier_variants_rates_and_out_of_domain_text(tmp_path):
 
 def test_each_learner_runs_at_its_own_rate_on_the_shared_schedule(tmp_path):
     from mxd_lens.activations import CachedActivations, ModelActivations, StreamConfig, write_cache
-    from mxd_lens.training import LearnerSpec, TrainConfig, Trainer
+    from mxd_lens.layers.learners import LearnerSpec
+    from mxd_lens.training import TrainConfig, Trainer
 
     model, corpus = make_text_model(tmp_path)
     stream = ModelActivations.from_config(model, [1], StreamConfig(text=str(corpus), context_size=12,

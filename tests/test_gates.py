@@ -170,7 +170,7 @@ def test_arch_strings_parse_and_format():
 
 def test_learner_spec_options_reach_the_layer():
     from mxd_lens.activations import StreamInfo
-    from mxd_lens.training import LearnerSpec, build_layer
+    from mxd_lens.layers.learners import LearnerSpec, build_layer
 
     spec = LearnerSpec("mxd:gate=topk,d_hidden=4", block=0, k=2, width_multiplier=8)
     assert spec.arch == "mxd" and spec.options == {"gate": "topk", "d_hidden": 4}

@@ -141,7 +141,7 @@ def test_splice_equals_a_hand_written_forward_hook_on_the_mlp(hosts, family, lay
 
 @pytest.mark.parametrize("family", POST_NORM)
 def test_the_training_stream_targets_the_mlp_modules_output(hosts, family):
-    from mxd_lens.training import LearnerSpec, _admit, build_layer
+    from mxd_lens.layers.learners import LearnerSpec, _admit, build_layer
 
     model, tokens = host(hosts, family)
 
@@ -205,7 +205,7 @@ def test_a_layer_saved_before_the_write_site_existed_loads_and_writes_hook_mlp_o
 
 
 def test_inconsistent_input_is_refused_with_what_to_do(hosts):
-    from mxd_lens.training import LearnerSpec, _check_given
+    from mxd_lens.layers.learners import LearnerSpec, _check_given
 
     model, tokens = host(hosts, "gemma2")
     with pytest.raises(ValueError, match="writes='nope': choose 'hook_mlp_out' or 'mlp'"):

@@ -14,7 +14,8 @@ import mxd_lens
 from mxd_lens.activations import CachedActivations, ModelActivations, write_cache
 from mxd_lens.firing import FiringTracker
 from mxd_lens.layers import ops
-from mxd_lens.training import LearnerSpec, TrainConfig, Trainer
+from mxd_lens.layers.learners import LearnerSpec
+from mxd_lens.training import TrainConfig, Trainer
 
 ARCHS = ("mxd", "transcoder", "skip_transcoder")
 

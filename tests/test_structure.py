@@ -147,3 +147,34 @@ def test_one_name_per_module():
     paths = [*ROOT.glob("*.py"), *(ROOT / "layers").glob("*.py")]
     names = [p.stem for p in paths if p.stem != "__init__"]
     assert len(names) == len(set(names)), sorted({n for n in names if names.count(n) > 1})
+
+
+def test_train_is_a_straight_pipeline_over_one_learner_builder():
+    """`training.train` opens the stream, asks layers/learners.py for the specs and runs Trainer(...).fit();
+    the Trainer takes its token budget from TrainConfig.budget and its layers from learners.build_learners
+    (issue 45 part 2), so neither the budget nor the admission of learners is interleaved in training.py."""
+    train = _called_names(_function(ROOT / "training.py", "train"))
+    assert {"check_archs", "open_stream", "learner_specs", "Trainer", "fit"} <= train, train
+    trainer = next(
+        n
+        for n in ast.parse((ROOT / "training.py").read_text()).body
+        if isinstance(n, ast.ClassDef) and n.name == "Trainer"
+    )
+    init = _called_names(
+        next(n for n in trainer.body if isinstance(n, ast.FunctionDef) and n.name == "__init__")
+    )
+    assert {"budget", "build_learners"} <= init, init
+    assert not init & {
+        "tokens_for",
+        "dead_window_for",
+        "default_width",
+        "_admit",
+        "build_layer",
+        "size_for",
+    }, init
+    defined = {n.name for n in ast.parse((ROOT / "training.py").read_text()).body if hasattr(n, "name")}
+    assert not defined & {"LearnerSpec", "build_layer", "default_width", "_admit", "_check_given", "check_archs",
+                          "learner_specs", "build_learners"}, defined  # fmt: skip
+    learners = ast.parse((ROOT / "layers" / "learners.py").read_text())
+    assert not {m for n in ast.walk(learners) for m in _imported(n)} & {"mxd_lens.training"}
+    assert "training" not in import_graph().get("layers/", set())

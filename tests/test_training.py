@@ -22,8 +22,9 @@ from test_activations import random_rows
 
 from mxd_lens.activations import CachedActivations, ModelActivations, write_cache
 from mxd_lens.checkpoints import CheckpointError
+from mxd_lens.layers.learners import LearnerSpec
 from mxd_lens.loop import TrainingDiverged
-from mxd_lens.training import LearnerSpec, TrainConfig, Trainer
+from mxd_lens.training import TrainConfig, Trainer
 
 SPECS = [
     LearnerSpec("mxd", 1, k=4, width_multiplier=8),

@@ -39,7 +39,8 @@ from mxd_lens.activations import CachedActivations
 from mxd_lens.config import TrainConfig
 from mxd_lens.fileio import atomic_write_text
 from mxd_lens.layers import arch_label
-from mxd_lens.training import LearnerSpec, Trainer
+from mxd_lens.layers.learners import LearnerSpec
+from mxd_lens.training import Trainer
 
 BLOCK, K, STEPS, SHARDS = 15, 32, 512, 12
 LRS = (5e-4, 1e-3, 2e-3)

@@ -41,12 +41,13 @@ from mxd_lens.activations import (
 from mxd_lens.evaluation import check_disjoint, evaluate, held_out_batches
 from mxd_lens.fileio import atomic_write_text
 from mxd_lens.layers import arch_label
+from mxd_lens.layers.learners import LearnerSpec
 from mxd_lens.models import loadable_name
 from mxd_lens.studies import StudyResult
 from mxd_lens.studies.common import recorded_options
 from mxd_lens.studies.eval.run import record_evaluation
 from mxd_lens.studies.frontier import FrontierConfig, FrontierOptions, ReportOptions
-from mxd_lens.training import LearnerSpec, Trainer
+from mxd_lens.training import Trainer
 
 log = logging.getLogger(__name__)
 
