@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from mxd_lens import hooks
+from mxd_lens import hook_names, hooks
 from mxd_lens.activations import ModelActivations
 from mxd_lens.config import DEFAULT_MODEL
 from mxd_lens.evaluation import evaluate
@@ -84,7 +84,7 @@ def _ce(logits: torch.Tensor, target: torch.Tensor, budget: int = 1 << 22) -> fl
 def floor(model, named, batches, baselines: bool = True) -> float:
     """The unavoidable work, returned as total CE (so it is computed, not skipped)."""
     blocks = sorted({hooks.block_of(layer) for layer in named.values()})
-    names = [f"blocks.{b}.hook_resid_pre" for b in blocks]
+    names = [hook_names.resid_pre_hook(b) for b in blocks]
     total = 0.0
     for tokens in batches:
         target = tokens[:, 1:]
@@ -94,14 +94,14 @@ def floor(model, named, batches, baselines: bool = True) -> float:
         for layer in named.values():
             block = hooks.block_of(layer)
             out = layer.forward_sparse(io[block]["in"])[0]
-            with model.hooks(fwd_hooks=[(hooks.mlp_out_hook(block), lambda o, hook, out=out: out)]):
-                logits = model(cache[f"blocks.{block}.hook_resid_pre"], start_at_layer=block)
+            with model.hooks(fwd_hooks=[(hook_names.mlp_out_hook(block), lambda o, hook, out=out: out)]):
+                logits = model(cache[hook_names.resid_pre_hook(block)], start_at_layer=block)
             total += _ce(logits[:, :-1], target)
         for block in blocks if baselines else []:
             for value in (0.0, 1.0):  # zero- and (a stand-in for) mean-ablation
                 ablate = lambda o, hook, value=value: torch.full_like(o, value)  # noqa: E731
-                with model.hooks(fwd_hooks=[(hooks.mlp_out_hook(block), ablate)]):
-                    logits = model(cache[f"blocks.{block}.hook_resid_pre"], start_at_layer=block)
+                with model.hooks(fwd_hooks=[(hook_names.mlp_out_hook(block), ablate)]):
+                    logits = model(cache[hook_names.resid_pre_hook(block)], start_at_layer=block)
                 total += _ce(logits[:, :-1], target)
     return total
 

@@ -58,7 +58,7 @@ from typing import Any
 import torch
 
 import mxd_lens
-from mxd_lens import hooks
+from mxd_lens import hook_names, hooks
 from mxd_lens.activations import CachedActivations, ModelActivations, shuffled_batches, write_cache
 from mxd_lens.layers.learners import LearnerSpec, build_layer
 from mxd_lens.training import TrainConfig, Trainer
@@ -231,7 +231,7 @@ def saelens_store(model: Any, args: argparse.Namespace, rows: torch.Tensor, rows
     import datasets
     from sae_lens.training.activations_store import ActivationsStore
 
-    hook_in, hook_out = hooks.mlp_in_hook(args.layer), hooks.mlp_out_hook(args.layer)
+    hook_in, hook_out = hook_names.mlp_in_hook(args.layer), hook_names.mlp_out_hook(args.layer)
     dataset = datasets.Dataset.from_dict({"input_ids": rows.numpy()})
     with warnings.catch_warnings():
         # "fewer samples than total_training_tokens": it compares rows with tokens.

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from mxd_lens import hooks
+from mxd_lens import hook_names, hooks
 
 __all__ = [
     "Attribution",
@@ -159,15 +159,16 @@ def attribute(model: Any, tokens: Any, target: Callable[[torch.Tensor], torch.Te
     n_pos = tokens.shape[1]
     _check_target(model, target, n_pos)
 
-    freeze_names = hooks.is_pattern_or_scale
-    mlp_out = [hooks.mlp_out_hook(b) for b in range(model.cfg.n_layers)]
+    freeze_names = hook_names.is_pattern_or_scale
+    mlp_out = [hook_names.mlp_out_hook(b) for b in range(model.cfg.n_layers)]
     wanted = lambda name: freeze_names(name) or name in mlp_out  # noqa: E731
     reps = {block: hooks.replacement(layer) for block, layer in spliced.items()}
     resid = hooks.resid_blocks(list(reps.values()))
     # each block's node: hook_mlp_out, or the MLP module's output for a layer that writes there
     at_module = sorted(b for b, rep in reps.items() if rep.writes == "mlp")
     node = {
-        b: hooks.out_hook(b, "mlp" if b in at_module else "hook_mlp_out") for b in range(model.cfg.n_layers)
+        b: hook_names.out_hook(b, "mlp" if b in at_module else "hook_mlp_out")
+        for b in range(model.cfg.n_layers)
     }
     with (
         torch.no_grad(),
@@ -189,7 +190,7 @@ def attribute(model: Any, tokens: Any, target: Callable[[torch.Tensor], torch.Te
 
     fwd_hooks = [
         (freeze_names, freeze),
-        (lambda name: name in node.values() or name in hooks.EMBED_HOOKS.values(), leaf),
+        (lambda name: name in node.values() or name in hook_names.EMBED_HOOKS.values(), leaf),
     ]
     module_leaves = {(b, "mlp"): _module_leaf(io[b]["module_out"], node[b], leaves) for b in at_module}
     biases = {name: p for name, p in model.named_parameters() if _is_bias_source(name)}
@@ -210,7 +211,7 @@ def attribute(model: Any, tokens: Any, target: Callable[[torch.Tensor], torch.Te
         else tokens[0].tolist()
     )
     parts, units = [], []
-    for kind, name in hooks.EMBED_HOOKS.items():
+    for kind, name in hook_names.EMBED_HOOKS.items():
         if name in leaves:
             per_pos = (leaves[name][0].detach() * grad[name][0]).sum(-1)
             parts += [{"kind": kind, "block": None, "position": t, "attribution": float(v)}
@@ -342,12 +343,16 @@ def frozen_target(model: Any, tokens: Any, target: Callable, attribution: Attrib
     one contribution does there (the test of the attribution's linearity). A block whose node is the
     MLP module's output (``blocks.L.mlp.hook_out``) has that replaced, its post-MLP norm run after it."""
     tokens = _check_tokens(model, tokens)
-    names = [n for n in attribution.frozen if (at := hooks.parse_out_hook(n)) and at[1] == "hook_mlp_out"]
+    names = [
+        n for n in attribution.frozen if (at := hook_names.parse_out_hook(n)) and at[1] == "hook_mlp_out"
+    ]
     nodes = {
-        n: parsed for n in attribution.frozen if (parsed := hooks.parse_out_hook(n)) and parsed[1] == "mlp"
+        n: parsed
+        for n in attribution.frozen
+        if (parsed := hook_names.parse_out_hook(n)) and parsed[1] == "mlp"
     }
     with torch.no_grad():
-        _, cache = model.run_with_cache(tokens, names_filter=hooks.is_pattern_or_scale)
+        _, cache = model.run_with_cache(tokens, names_filter=hook_names.is_pattern_or_scale)
 
         def freeze(value: torch.Tensor, hook: Any) -> torch.Tensor:
             return cache[hook.name]
@@ -367,7 +372,7 @@ def frozen_target(model: Any, tokens: Any, target: Callable, attribution: Attrib
                 model.run_with_hooks(
                     tokens,
                     fwd_hooks=[
-                        (hooks.is_pattern_or_scale, freeze),
+                        (hook_names.is_pattern_or_scale, freeze),
                         (lambda n: n in names, mlp),
                     ],
                 )
@@ -395,8 +400,8 @@ def edges(model: Any, tokens: Any, upstream: int, downstream: int, keep: float =
         raise ValueError(f"keep={keep} must be in (0, 1]")
     tokens = _check_tokens(model, tokens)
     up, down = spliced[upstream], spliced[downstream]
-    mlp_out = [hooks.mlp_out_hook(b) for b in range(model.cfg.n_layers)]
-    freeze_names = hooks.is_pattern_or_scale
+    mlp_out = [hook_names.mlp_out_hook(b) for b in range(model.cfg.n_layers)]
+    freeze_names = hook_names.is_pattern_or_scale
     up_rep, down_rep = hooks.replacement(up), hooks.replacement(down)
     # the source: upstream's hook_mlp_out, or its MLP module's output for a layer writing there (its
     # block's post-MLP norm, scale frozen, then runs after it: hook_mlp_out is not held fixed)
@@ -409,11 +414,11 @@ def edges(model: Any, tokens: Any, upstream: int, downstream: int, keep: float =
     ):
         _, cache = model.run_with_cache(tokens, names_filter=lambda n: freeze_names(n) or n in mlp_out)
     split = contributions(up, hooks.layer_input(io, up_rep)[0])
-    source_name = hooks.mlp_out_hook(upstream)
+    source_name = hook_names.mlp_out_hook(upstream)
     leaf: dict[str, torch.Tensor] = {}
     if at_module:
         mlp_out.remove(source_name)
-        source_name = hooks.mlp_module_out_hook(upstream)
+        source_name = hook_names.mlp_module_out_hook(upstream)
     module_leaf = (
         {(upstream, "mlp"): _module_leaf(io[upstream]["module_out"], "source", leaf)} if at_module else {}
     )

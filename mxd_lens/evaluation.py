@@ -58,7 +58,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from tqdm.auto import tqdm
 
-from mxd_lens import hooks
+from mxd_lens import hook_names, hooks
 from mxd_lens.firing import FiringTracker
 from mxd_lens.jacobian import jacobian_cosine
 from mxd_lens.layers.base import MLPReplacement
@@ -220,7 +220,7 @@ def _clean_pass(model: Any, tokens: torch.Tensor, plan: _Plan, scorer: _VocabSco
             f"skip_positions={first} leaves no prediction in rows of {tokens.shape[1]} tokens: "
             "skip fewer positions or evaluate longer rows"
         )
-    names = {hooks.resid_pre_hook(b): b for b in plan.blocks}
+    names = {hook_names.resid_pre_hook(b): b for b in plan.blocks}
     with hooks.capture_mlp_io(model, plan.blocks, resid=plan.resid, module_out=plan.module_out) as io:
         logits, cache = model.run_with_cache(tokens, names_filter=list(names))
     clean = logits[:, first:-1]
@@ -628,7 +628,7 @@ def _run_from(
     resid: Mapping[int, torch.Tensor],
     block: int,
     outputs: Mapping[int, torch.Tensor],
-    writes: hooks.Writes = "hook_mlp_out",
+    writes: hook_names.Writes = "hook_mlp_out",
 ):
     """Logits of the model run from ``block``'s residual stream on, with each given block's output at
     ``writes`` (``hook_mlp_out``, or the MLP module's, which the block's post-MLP norm follows) replaced

@@ -72,9 +72,6 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-FEATURE_INPUT_HOOK = "mlp.hook_in"
-FEATURE_OUTPUT_HOOK = "hook_mlp_out"
-FEATURE_OUTPUT_HOOKS = {"hook_mlp_out": FEATURE_OUTPUT_HOOK, "mlp": "mlp.hook_out"}  # by hooks.Writes
 CONFIG_FILE = "config.yaml"  # the name circuit-tracer's loader looks for
 
 
@@ -151,6 +148,7 @@ def export_circuit_tracer(layers: Sequence[str | Path] | str | Path, out: str | 
     import yaml
     from safetensors.torch import save_file
 
+    from mxd_lens import hook_names
     from mxd_lens.fileio import _umask, atomic_write, atomic_write_text
     from mxd_lens.hooks import block_of, writes_of
     from mxd_lens.layers.io import layer_folders, load_layer
@@ -209,8 +207,8 @@ def export_circuit_tracer(layers: Sequence[str | Path] | str | Path, out: str | 
     config = {
         "model_kind": "transcoder_set",
         "scan": circuit_tracer_scan(model_name, first),
-        "feature_input_hook": FEATURE_INPUT_HOOK,
-        "feature_output_hook": FEATURE_OUTPUT_HOOKS[sites.pop()],
+        "feature_input_hook": hook_names.MLP_IN,
+        "feature_output_hook": hook_names.WRITE_SUFFIXES[sites.pop()],
         "model_name": model_name,
         "activation": "topk",
         "k": int(first.cfg.k),

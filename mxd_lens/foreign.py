@@ -46,8 +46,6 @@ from sae_lens import SAE
 from sae_lens.saes.transcoder import SkipTranscoder, Transcoder
 from transformer_lens.hook_points import HookPoint
 
-_IN_HOOK = re.compile(r"^blocks\.(\d+)\.(mlp\.hook_in|ln2\.hook_normalized|hook_mlp_in)$")
-_OUT_HOOK = re.compile(r"^blocks\.(\d+)\.(hook_mlp_out|mlp\.hook_out)$")
 SUPPORTED_READS = ("blocks.L.mlp.hook_in", "blocks.L.ln2.hook_normalized", "blocks.L.hook_mlp_in")
 _SUPPORTED = (
     f"mxd-lens splices layers that replace an MLP: they read its input ({', '.join(SUPPORTED_READS)}) "
@@ -60,7 +58,11 @@ class ForeignLayer:
     interface of ``mxd_lens.hooks.replacement``). Raises a ValueError naming the hooks when its cfg
     does not say it replaces one MLP (see the module docstring)."""
 
-    def __init__(self, sae: Any):
+    def __init__(self, sae: Any, reads_at: tuple[int, str] | None, writes_at: tuple[int, str] | None):
+        """``reads_at``, ``writes_at``: where its ``cfg.metadata.hook_name`` and ``hook_name_out`` say it
+        reads and writes, as ``mxd_lens.hook_names.parse_in_hook`` / ``parse_out_hook`` give them (None:
+        not an MLP's site); ``mxd_lens.hooks.replacement`` passes them, so hook names are parsed in one
+        place."""
         if not isinstance(sae, SAE):
             raise TypeError(
                 f"{type(sae).__name__} is not a layer: give an mxd-lens layer or a SAELens SAE "
@@ -74,15 +76,14 @@ class ForeignLayer:
                 f"{what} reads {hook_in!r} and records no metadata.hook_name_out: it reconstructs one "
                 f"activation (a sparse autoencoder), it does not replace an MLP; {_SUPPORTED}"
             )
-        out_match, in_match = _OUT_HOOK.match(str(hook_out)), _IN_HOOK.match(str(hook_in))
-        if out_match is None:
+        if writes_at is None:
             raise ValueError(f"{what} writes {hook_out!r} (metadata.hook_name_out); {_SUPPORTED}")
-        if in_match is None:
+        if reads_at is None:
             raise ValueError(f"{what} reads {hook_in!r} (metadata.hook_name); {_SUPPORTED}")
-        if in_match.group(1) != out_match.group(1):
+        if reads_at[0] != writes_at[0]:
             raise ValueError(
-                f"{what} reads {hook_in!r} (block {in_match.group(1)}) but writes {hook_out!r} (block "
-                f"{out_match.group(1)}): it does not replace one block's MLP; {_SUPPORTED}"
+                f"{what} reads {hook_in!r} (block {reads_at[0]}) but writes {hook_out!r} (block "
+                f"{writes_at[0]}): it does not replace one block's MLP; {_SUPPORTED}"
             )
         if cfg.normalize_activations != "none":
             raise ValueError(
@@ -100,10 +101,9 @@ class ForeignLayer:
                 "False and use mxd_lens.splice(model, layer, error_term=True)"
             )
         self.layer = sae
-        self.block = int(out_match.group(1))
-        self.writes = "mlp" if out_match.group(2) == "mlp.hook_out" else "hook_mlp_out"
+        self.block, self.writes = writes_at
         self.hook_name = str(hook_in)
-        self.site = in_match.group(2)  # mlp.hook_in | ln2.hook_normalized | hook_mlp_in
+        self.site = reads_at[1]  # mlp.hook_in | ln2.hook_normalized | hook_mlp_in
         self.reads = "resid" if self.site == "hook_mlp_in" else "mlp"
         k = getattr(cfg, "k", None)
         self.k = k if isinstance(k, int) and not isinstance(k, bool) else None
@@ -115,7 +115,7 @@ class ForeignLayer:
             warnings.warn(
                 f"{what} names {hook_in!r} (the residual before ln2) but its metadata.hf_hook_name is "
                 f"{source!r}, a norm's output: the MLP's input, which is what it was trained on, so it reads "
-                f"the MLP's input (blocks.{self.block}.mlp.hook_in); to give it the residual before ln2 "
+                f"the MLP's input ({hook_in.replace(self.site, 'mlp.hook_in')}); to give it the residual before ln2 "
                 "instead, set layer.cfg.metadata.hf_hook_name = None",
                 stacklevel=3,
             )

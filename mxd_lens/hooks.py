@@ -32,16 +32,25 @@ from ours, and ``mxd_lens.foreign`` says where they read (their ``metadata.hook_
 
 from __future__ import annotations
 
-import re
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 from transformer_lens.hook_points import HookPoint
 
+from mxd_lens.hook_names import (
+    Reads,
+    Writes,
+    mlp_in_hook,
+    mlp_module_out_hook,
+    mlp_out_hook,
+    out_hook,
+    parse_in_hook,
+    parse_out_hook,
+)
 from mxd_lens.records import check_dense
 
 if TYPE_CHECKING:
@@ -51,60 +60,8 @@ if TYPE_CHECKING:
 
     from mxd_lens.layers.base import MLPReplacement
 
-Reads = Literal["mlp", "resid"]
-Writes = Literal["hook_mlp_out", "mlp"]
-"""Where a layer writes (see the module docstring): "hook_mlp_out", ``blocks.L.hook_mlp_out``; "mlp",
-the MLP module's own output, ``blocks.L.mlp.hook_out`` (the host's post-MLP norm, if any, runs after it)."""
-
-_OUT_HOOK = re.compile(r"^blocks\.(\d+)\.(hook_mlp_out|mlp\.hook_out)$")
-_WRITES: dict[str, Writes] = {"hook_mlp_out": "hook_mlp_out", "mlp.hook_out": "mlp"}
 # model -> {block: layer} for the splices active on it (what steering checks)
 _SPLICED: weakref.WeakKeyDictionary[Any, dict[int, Any]] = weakref.WeakKeyDictionary()
-
-
-def mlp_in_hook(block: int) -> str:
-    return f"blocks.{block}.mlp.hook_in"
-
-
-def mlp_out_hook(block: int) -> str:
-    return f"blocks.{block}.hook_mlp_out"
-
-
-def mlp_module_out_hook(block: int) -> str:
-    """The name of the MLP module's own output (``TransformerBridge``'s and circuit-tracer's name)."""
-    return f"blocks.{block}.mlp.hook_out"
-
-
-def resid_pre_hook(block: int) -> str:
-    """The residual stream entering block ``block`` (what a forward with ``start_at_layer=block`` starts from)."""
-    return f"blocks.{block}.hook_resid_pre"
-
-
-EMBED_HOOKS: dict[str, str] = {"embed": "hook_embed", "pos_embed": "hook_pos_embed"}
-"""The hooks of what the embeddings add to the residual stream, by kind: the token embedding and the
-learned positional embedding (a model with rotary or no positional embeddings never runs the second)."""
-
-
-def is_pattern_or_scale(name: str) -> bool:
-    """True for the hook of an attention pattern (``blocks.L.attn.hook_pattern``) or of a norm's scale
-    (``blocks.L.ln1.hook_scale``, ``ln_final.hook_scale``, ...): what a linearisation at a prompt freezes."""
-    return name.endswith(("hook_pattern", "hook_scale"))
-
-
-def out_hook(block: int, writes: Writes) -> str:
-    """The hook name a layer writing at ``writes`` records as ``metadata.hook_name_out``."""
-    if writes == "hook_mlp_out":
-        return mlp_out_hook(block)
-    if writes == "mlp":
-        return mlp_module_out_hook(block)
-    raise ValueError(f"writes={writes!r}: choose 'hook_mlp_out' or 'mlp'")
-
-
-def parse_out_hook(name: Any) -> tuple[int, Writes] | None:
-    """(block, write site) of an output hook name ``blocks.L.hook_mlp_out`` / ``blocks.L.mlp.hook_out``;
-    None for any other name (or None)."""
-    match = _OUT_HOOK.match(name) if isinstance(name, str) else None
-    return None if match is None else (int(match.group(1)), _WRITES[match.group(2)])
 
 
 def normalises_mlp_output(model: HookedTransformer) -> bool:
@@ -268,7 +225,9 @@ def replacement(layer: Any) -> Any:
         return OurLayer(layer)
     from mxd_lens.foreign import ForeignLayer
 
-    return ForeignLayer(layer)
+    metadata = getattr(getattr(layer, "cfg", None), "metadata", None)
+    reads_at = parse_in_hook(getattr(metadata, "hook_name", None))
+    return ForeignLayer(layer, reads_at, parse_out_hook(getattr(metadata, "hook_name_out", None)))
 
 
 class OurLayer:

@@ -178,3 +178,49 @@ def test_train_is_a_straight_pipeline_over_one_learner_builder():
     learners = ast.parse((ROOT / "layers" / "learners.py").read_text())
     assert not {m for n in ast.walk(learners) for m in _imported(n)} & {"mxd_lens.training"}
     assert "training" not in import_graph().get("layers/", set())
+
+
+def _spelled_hook_names(path: Path) -> list[str]:
+    """Strings in ``path``'s code (docstrings left out) that are a whole TransformerLens hook name of a
+    numbered block: ``"blocks.3.hook_mlp_out"``, or an f-string ``f"blocks.{L}.mlp.hook_post"``."""
+    import re
+
+    name = re.compile(r"blocks\.(\d+|\{\})\.[\w.]*hook_\w+")
+    tree = ast.parse(path.read_text())
+    docstrings = {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef)
+        and node.body
+        and isinstance(node.body[0], ast.Expr)
+        and isinstance(node.body[0].value, ast.Constant)
+    }
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.JoinedStr):
+            text = "".join(v.value if isinstance(v, ast.Constant) else "{}" for v in node.values)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+            text = node.value
+        else:
+            continue
+        if name.fullmatch(text):
+            found.append(f"{path}:{node.lineno}: {text}")
+    return found
+
+
+def test_hook_names_are_spelled_in_one_module(tmp_path):
+    """Every hook name of a block comes from mxd_lens/hook_names.py (issue 45: a name spelled by hand in
+    a second module is the one that drifts when a family names its hooks differently)."""
+    spelled = [hit for path in sorted(ROOT.rglob("*.py")) if path.name != "hook_names.py"
+               for hit in _spelled_hook_names(path)]  # fmt: skip
+    assert not spelled, "spell these through mxd_lens.hook_names:\n" + "\n".join(spelled)
+    assert _spelled_hook_names(ROOT / "hook_names.py") == []  # it builds them with block_hook()
+    probe = (
+        tmp_path / "probe.py"
+    )  # the check sees both forms it refuses, and passes a message and a docstring
+    probe.write_text('"""blocks.3.hook_mlp_out"""\nA = "blocks.3.hook_mlp_out"\nB = f"blocks.{L}.mlp.hook_post"\n'
+                     'C = f"reads blocks.{L}.mlp.hook_in"\n')  # fmt: skip
+    assert [hit.split(": ")[1] for hit in _spelled_hook_names(probe)] == [
+        "blocks.3.hook_mlp_out",
+        "blocks.{}.mlp.hook_post",
+    ]

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from mxd_lens import hooks
+from mxd_lens import hook_names, hooks
 from mxd_lens.analysis.tasks import Examples, TaskSet, binary_task, splits
 from mxd_lens.fileio import atomic_write, atomic_write_text
 
@@ -125,7 +125,7 @@ def pooled_activations(
         tokens, mask = tokens.to(device), mask.to(device)
         weights = (mask / mask.sum(1, keepdim=True)).unsqueeze(-1)
         hidden: dict[int, torch.Tensor] = {}
-        post = [(f"blocks.{i}.mlp.hook_post", _store(hidden, i)) for i in dense_layers] if neurons else []
+        post = [(hook_names.mlp_post_hook(i), _store(hidden, i)) for i in dense_layers] if neurons else []
         with hooks.capture_mlp_io(model, needed, resid=resid) as io, model.hooks(fwd_hooks=post):
             model(tokens, stop_at_layer=needed[-1] + 1)
         pooled = {}

@@ -31,7 +31,7 @@ from mxd_lens import fileio
 from mxd_lens.layers import ops
 
 if TYPE_CHECKING:
-    from mxd_lens.hooks import Writes
+    from mxd_lens.hook_names import Writes
 
 C = TypeVar("C", bound="LayerConfig")
 

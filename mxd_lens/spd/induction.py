@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from transformer_lens import HookedTransformer, HookedTransformerConfig
 from transformer_lens.components import Attention
 
-from mxd_lens import checkpoints
+from mxd_lens import checkpoints, hook_names
 from mxd_lens.fileio import atomic_write, atomic_write_text
 from mxd_lens.loop import TrainingLoop
 
@@ -233,7 +233,7 @@ def attention_to_memorised_token(
         )
     if not 0 <= head < model.cfg.n_heads:
         raise ValueError(f"head={head} out of range for n_heads={model.cfg.n_heads}")
-    names = ("blocks.0.attn.hook_pattern", "blocks.1.attn.hook_pattern")
+    names = (hook_names.attn_hook(0, "pattern"), hook_names.attn_hook(1, "pattern"))
     _, cache = model.run_with_cache(tokens, names_filter=lambda name: name in names)
     rows, s1 = torch.arange(tokens.shape[0]), planted.long()
     pattern0, pattern1 = cache[names[0]][:, head], cache[names[1]][:, head]  # [b, query, key]

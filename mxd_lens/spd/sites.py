@@ -29,6 +29,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from mxd_lens import hook_names
+
 if TYPE_CHECKING:
     from transformer_lens import HookedTransformer
 
@@ -74,15 +76,13 @@ def resolve(model: HookedTransformer, name: str) -> Site:
     layer, _, kind = _parse(name)
     weight, _ = read_weight(model, name)
     if kind in ("W_Q", "W_K", "W_V"):
-        writes = f"blocks.{layer}.attn.hook_{kind[-1].lower()}"
+        writes = hook_names.attn_hook(layer, kind[-1].lower())
     else:
         writes = {
-            "W_O": f"blocks.{layer}.hook_attn_out",
-            "W_gate": f"blocks.{layer}.mlp.hook_pre",
-            "W_in": f"blocks.{layer}.mlp.hook_pre_linear"
-            if model.cfg.gated_mlp
-            else f"blocks.{layer}.mlp.hook_pre",
-            "W_out": f"blocks.{layer}.hook_mlp_out",
+            "W_O": hook_names.attn_out_hook(layer),
+            "W_gate": hook_names.mlp_pre_hook(layer),
+            "W_in": hook_names.mlp_pre_hook(layer, linear=model.cfg.gated_mlp),
+            "W_out": hook_names.mlp_out_hook(layer),
         }[kind]
     return Site(name, layer, kind, weight.shape[0], weight.shape[1], writes)
 
@@ -128,7 +128,7 @@ def input_reader(
 
         return block.mlp, mlp_pre_hook, None
     hook_name = (
-        f"blocks.{site.layer}.attn.hook_z" if site.kind == "W_O" else f"blocks.{site.layer}.mlp.hook_post"
+        hook_names.attn_hook(site.layer, "z") if site.kind == "W_O" else hook_names.mlp_post_hook(site.layer)
     )
 
     def tl_hook(value: torch.Tensor, hook: object) -> None:
