@@ -73,20 +73,21 @@ def main(argv: list[str] | None = None) -> int:
         history = trainer.learners[spec.name].history
         tail = pd.DataFrame(history[-max(1, len(history) // 10) :])
         rows.append({
-            "method": spec.method, "label": arch_label(spec.method), "lr": spec.lr,
+            "arch": spec.method, "lr": spec.lr,
             "params": sum(p.numel() for p in trainer.learners[spec.name].layer.parameters()),
             "d_sae": trainer.learners[spec.name].layer.cfg.d_sae,
             "train_fvu": tail["fvu"].mean(), "train_l0": tail["l0"].mean(),
             "train_dead": tail["dead_fraction"].mean(), "steps": trainer.step,
         })  # fmt: skip
     table = pd.DataFrame(rows)
-    best = table.loc[table.groupby("method")["train_fvu"].idxmin()]
-    new = best["method"].str.startswith("mxd:")  # every MxD variant but the paper's gate
+    best = table.loc[table.groupby("arch")["train_fvu"].idxmin()]
+    new = best["arch"].str.startswith("mxd:")  # every MxD variant but the paper's gate
     mxd = best[new & (best["train_l0"] >= 0.9 * K)]
-    gate = mxd.loc[mxd["train_fvu"].idxmin(), "method"] if len(mxd) else None
+    gate = mxd.loc[mxd["train_fvu"].idxmin(), "arch"] if len(mxd) else None
     table["best_lr"] = table.index.isin(best.index)
     table.to_csv(out_dir / "sweep.csv", index=False)
-    text = table.round(4).to_markdown(index=False)
+    shown = table.assign(arch=table["arch"].map(arch_label))  # the key in the CSV, its label here
+    text = shown.round(4).to_markdown(index=False)
     text = f"Block {args.block}, K = {K}, {STEPS} steps of 512 tokens, cache {cache}\n\n" + text
     text += f"\n\nChosen MxD variant (L0 >= {0.9 * K:.1f}, lowest FVU at its best lr): {gate}\n"
     atomic_write_text(out_dir / "sweep.md", text)
