@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Issue 43, part 2: a 4x budget at block 15 of SmolLM2-135M-Instruct. The five methods of the protocol
+# (study.sh's four and the standardised gate), parameter-matched, K = 32, at the rates the sweep chose at
+# block 15 (every method 2e-3), trained for 8,192 steps of 512 tokens: 2 epochs over a 2,097,152-token
+# cache of block 15 (64 shards), checkpoints every 1,024 steps, all kept. Then every checkpoint is
+# evaluated on BBC News (out of domain) and the held-out mix, and KL against training tokens is drawn.
+# One step per call, each resumable (rerun the same command):
+#   bash analyses/protocol/budget.sh cache   # ~40 min: the cache (results/cache-mix7-l15-2m)
+#   bash analyses/protocol/budget.sh train   # ~4 h on 2 cores: resumable, rerun after a reset
+#   bash analyses/protocol/budget.sh curve   # each checkpoint on BBC and held out -> the table and plot
+# Results: docs/results/protocol/budget/ (keep.sh budget commits the frontier files as they come).
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+STEP=${1:?give cache, train or curve}
+export HF_HUB_OFFLINE=1 OMP_NUM_THREADS=${THREADS:-2}
+JE=/usr/lib/x86_64-linux-gnu/libjemalloc.so.2; [ -f $JE ] && export LD_PRELOAD=$JE
+DATA=${DATA:-../shared/data}
+CACHE=${CACHE:-results/cache-mix7-l15-2m}
+OUT=results/protocol-budget
+STD=mxd:gate=topk,gate_standardize=0.1
+ARCHS=(mxd mxd:gate=topk $STD transcoder skip_transcoder)
+COMMON=(--progress false --text results/data/mix7.txt.xz --eval-fraction 0.05 --train-tokens 2097152
+        --cache-dtype float16 --cache "$CACHE" --blocks 15 --ks 32)
+case $STEP in
+  cache) exec .venv/bin/mxd-lens frontier "${COMMON[@]}" --out $OUT --cache-only true ;;
+  train)
+    exec .venv/bin/mxd-lens frontier "${COMMON[@]}" --epochs 2 --checkpoint-every 1024 --keep-checkpoints 8 \
+        --eval-tokens 32768 --ood-text $DATA/probing/topic_bbc_news.jsonl.xz --ood-eval-tokens 32768 \
+        --archs "${ARCHS[@]}" --arch-lr $(printf '%s=0.002 ' "${ARCHS[@]}") --out $OUT ;;
+  curve)
+    mkdir -p docs/results/protocol/budget
+    for ckpt in $OUT/runs/L15.seed0/checkpoints/step_*/; do
+      [ -f $ckpt/evaluated ] && continue  # done before (the results are in its layers' cfg.json)
+      .venv/bin/mxd-lens eval $ckpt --text $DATA/probing/topic_bbc_news.jsonl.xz --split all --eval-tokens 32768
+      .venv/bin/mxd-lens eval $ckpt --eval-tokens 32768  # the held-out side of the training mix
+      touch $ckpt/evaluated
+    done
+    .venv/bin/python analyses/protocol/budget_curve.py docs/results/protocol/budget ;;
+  *) echo "unknown step $STEP: give cache, train or curve" >&2; exit 2 ;;
+esac

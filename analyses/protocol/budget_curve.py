@@ -1,0 +1,71 @@
+"""KL against training tokens, from the evaluations budget.sh's `curve` step records in every checkpoint's
+layers (issue 43 part 2). Reads results/protocol-budget/runs/L15.seed0/checkpoints/step_*/*/cfg.json
+(metadata.evaluations: one record per text) and writes DEST/curve.csv (one row per step, method and text)
+and DEST/curve.png (KL on each text against training tokens, one line per method).
+
+    .venv/bin/python analyses/protocol/budget_curve.py docs/results/protocol/budget
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+import pandas as pd
+
+from mxd_lens.layers import arch_label, format_arch
+from mxd_lens.records import EvaluationRecord
+
+RUN = Path("results/protocol-budget/runs/L15.seed0")
+
+
+def rows(run: Path) -> list[dict]:
+    out = []
+    for cfg in sorted(run.glob("checkpoints/step_*/*/cfg.json")):
+        step = int(cfg.parent.parent.name.removeprefix("step_"))
+        metadata = json.loads(cfg.read_text())["metadata"]
+        learner = (metadata.get("training") or {}).get("learner") or {}
+        for record in EvaluationRecord.all_of(metadata):
+            text = Path(record.text.text or "?").name.split(".")[0]
+            out.append({
+                **record.metrics, "eval_tokens": record.metrics.get("tokens"), "step": step,
+                "tokens": step * 512, "arch": format_arch(learner["arch"], learner.get("options") or {}),
+                "text": f"{text} ({record.text.split})",
+            })  # fmt: skip
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("dest", type=Path)
+    parser.add_argument("--run", type=Path, default=RUN)
+    args = parser.parse_args(argv)
+    table = pd.DataFrame(rows(args.run))
+    if table.empty:
+        sys.exit(f"no evaluated checkpoints under {args.run}: run `bash analyses/protocol/budget.sh curve`")
+    table = table.sort_values(["text", "arch", "step"])
+    args.dest.mkdir(parents=True, exist_ok=True)
+    table.to_csv(args.dest / "curve.csv", index=False)
+    texts = sorted(table["text"].unique())
+    fig, axes = plt.subplots(1, len(texts), figsize=(5.5 * len(texts), 4), squeeze=False)
+    for ax, text in zip(axes[0], texts, strict=True):
+        for arch, part in table[table["text"] == text].groupby("arch"):
+            ax.plot(part["tokens"] / 1e6, part["kl"], marker="o", label=arch_label(arch))
+        ax.set(xlabel="training tokens (millions)", ylabel="KL (nats/token)", title=text, yscale="log")
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(args.dest / "curve.png", dpi=110)
+    pivot = table.pivot_table(index=["text", "step"], columns="arch", values="kl")
+    print(pivot.rename(columns=arch_label).round(4).to_markdown())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
