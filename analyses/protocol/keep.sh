@@ -4,7 +4,7 @@
 # and training history into docs/results/protocol/PART/ and commit that folder alone when it changed.
 cd "$(dirname "$0")/../.."
 PART=${1:?give A, A0, A3, B, C or D}
-SRC=results/protocol-$PART DEST=docs/results/protocol/$PART
+SRC=${SRC:-results/protocol-$PART} DEST=${DEST:-docs/results/protocol/$PART}  # other studies: SRC=results/gemma-G9 DEST=docs/results/protocol/gemma/G9
 ONCE=${2:-}  # --once: copy and commit now, then stop (chain.sh's last copy after a part ends)
 while [ -n "$ONCE" ] || sleep 120; do
   [ -f $SRC/frontier.json ] || { [ -n "$ONCE" ] && break; continue; }  # nothing yet (--once: stop)
