@@ -813,30 +813,31 @@ def open_stream(
     ``cache`` (``config.model``, if given, must be the model the cache was made with: it is loaded only
     for what needs the weights, e.g. ``init="mlp"``), or ``config.model`` run live over ``config.text``.
     Returns ``(source, model)``, model None for a cache read without one. The one place where a cache,
-    a model and a stream are checked to agree; each refusal names what to give instead."""
-    from mxd_lens.models import load_host, model_identity, model_source
+    a model and a stream are checked to agree; each refusal names what to give instead.
 
-    if cache is not None:
-        source = CachedActivations(cache, blocks=blocks, shuffle=shuffle)
-        if not config.model:
-            return source, None
-        model = load_host(config)
-        cached, loaded = source.model_source or {}, model_source(model)
-        if "kind" in cached and model_identity(cached) != model_identity(loaded):
+    In the order of their cost: the cache is opened (and checked) before the model is loaded, once;
+    the model is then held against the cache, or run over the text."""
+    from mxd_lens.models import load_host, model_identity
+
+    if cache is None and not (config.model and config.text):
+        raise ValueError("give --cache DIR, or --model and --text to stream from the model")
+    cached = CachedActivations(cache, blocks=blocks, shuffle=shuffle) if cache is not None else None
+    model = load_host(config) if config.model else None
+    if cached is not None and model is not None:
+        made_with, here = model_identity(cached.model_source or {}), model_identity(model)
+        if "kind" in made_with and made_with != here:
             raise ValueError(
-                f"--model {config.model} is {model_identity(loaded)}, but the cache {cache} was made with "
-                f"{model_identity(cached)}; give the cache's model or leave --model out"
+                f"--model {config.model} is {here}, but the cache {cache} was made with {made_with}; give "
+                "the cache's model or leave --model out"
             )
-        if not is_named(model, source.info.model_name):
+        if not is_named(model, cached.info.model_name):
             raise ValueError(
                 f"--model {config.model} is {model.cfg.model_name!r}, but the cache {cache} was made with "
-                f"{source.info.model_name!r}; give the cache's model or leave --model out"
+                f"{cached.info.model_name!r}; give the cache's model or leave --model out"
             )
-        return source, model
-    if not (config.model and config.text):
-        raise ValueError("give --cache DIR, or --model and --text to stream from the model")
-    model = load_host(config)
-    return ModelActivations.from_config(model, blocks or [], config), model
+    if cached is None:
+        return ModelActivations.from_config(model, blocks or [], config), model
+    return cached, model
 
 
 def _permuted(shard: Shard, generator: torch.Generator) -> Shard:

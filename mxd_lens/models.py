@@ -323,10 +323,13 @@ def add_mlp_out_hooks(model: HookedTransformer) -> HookedTransformer:
 IDENTITY_FIELDS = ("kind", "sha256", "config_sha256", "repo_id", "revision", "tl_name")
 
 
-def model_identity(source: dict[str, Any]) -> dict[str, Any]:
-    """The part of a recorded model source (``model_source``) that names *which* weights: the kind of
-    source and its digests or hub revision (for a TransformerLens name, or a model load_model did not
-    load, the model's name). Paths and the name asked are left out: one file moved is the same model."""
+def model_identity(source: dict[str, Any] | Any) -> dict[str, Any]:
+    """The part of a recorded model source (``model_source``; given a loaded model, its own) that names
+    *which* weights: the kind of source and its digests or hub revision (for a TransformerLens name, or a
+    model load_model did not load, the model's name). Paths and the name asked are left out: one file
+    moved is the same model. Two identities compare with ``==``."""
+    if not isinstance(source, dict):
+        source = model_source(source)
     identity = {key: source[key] for key in IDENTITY_FIELDS if key in source}
     if source.get("kind") in ("transformer_lens", "unknown"):
         identity["model_name"] = source.get("model_name", source.get("name"))
