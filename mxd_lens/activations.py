@@ -48,7 +48,7 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from mxd_lens import hooks
-from mxd_lens.config import StreamConfig  # noqa: F401 (re-exported: it configures this module's stream)
+from mxd_lens.config import WIDTH_MULTIPLIER, StreamConfig  # noqa: F401 (StreamConfig re-exported: it configures this module's stream)
 from mxd_lens.fileio import _umask, atomic_write, atomic_write_text, file_digest
 from mxd_lens.hooks import Writes
 from mxd_lens.records import canonical_model_name, is_named, loadable_name
@@ -96,6 +96,18 @@ class StreamInfo:
         names = self.hook_names.get(str(block))
         parsed = hooks.parse_out_hook(names[1]) if names and len(names) > 1 else None
         return parsed[1] if parsed else "hook_mlp_out"
+
+    @property
+    def default_width_multiplier(self) -> int:
+        """The width multiplier m (a transcoder of m * d_in latents, an MxD of as many parameters) that a
+        run on this stream uses when none is given: ``matching.default_width_multiplier``, 8, or more on
+        hosts whose MLP is too wide for a width-8 match."""
+        from mxd_lens.matching import default_width_multiplier
+
+        d_hidden = self.d_hidden or 4 * self.d_out  # a stream recorded before d_hidden was: GPT-2's ratio
+        return default_width_multiplier(
+            self.d_in, self.d_out, d_hidden, glu=self.gated, floor=WIDTH_MULTIPLIER
+        )
 
     @classmethod
     def from_dict(cls, saved: dict[str, Any]) -> StreamInfo:
