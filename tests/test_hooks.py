@@ -162,7 +162,7 @@ def test_a_model_under_another_name_fits_when_the_recorded_shape_matches():
     """A layer trained on a .gguf (model_name: the file stem) splices into the same model loaded from its
     Hugging Face folder (another name): the shape recorded at training decides; without one, or with
     another shape, the name mismatch is refused as before."""
-    from mxd_lens.models import model_shape
+    from mxd_lens.records import model_shape
 
     model = make_model("gpt2")
     layer = randomise(TopKTranscoder.for_model(model, 1, d_sae=8, k=2), 0)

@@ -17,7 +17,7 @@ from sae_lens.saes.sae import SAEMetadata
 from test_models import write_tiny_gguf
 
 import mxd_lens
-from mxd_lens import models
+from mxd_lens import models, records
 from mxd_lens.cli import main
 
 
@@ -218,7 +218,7 @@ def test_every_spelling_of_the_default_loads_it_and_layers_record_its_loadable_n
     assert (source["kind"], source["name"], source["hub_id"]) == (
         "default", "smollm2-135m", "HuggingFaceTB/SmolLM2-135M-Instruct")  # fmt: skip
     assert model.cfg.model_name == "SmolLM2-135M-Instruct"  # TransformerLens's name is unchanged
-    assert models.loadable_name(model) == "smollm2-135m"
+    assert records.loadable_name(model) == "smollm2-135m"
     layer = mxd_lens.MxD.for_model(model, 1, d_sae=4, k=2)
     assert layer.cfg.metadata.model_name == "smollm2-135m"
     for name in ("smollm2-135m", "SmolLM2-135M-Instruct", "huggingfacetb/smollm2-135m-instruct"):
@@ -292,7 +292,7 @@ def test_a_gguf_or_folder_records_the_hub_id_its_metadata_names(tmp_path, monkey
     (folder / "config.json").write_text(json.dumps({**config, "_name_or_path": "SomeOrg/tiny-gpt2"}))
     hosted = models.load_model(str(folder))
     assert models.model_source(hosted)["hub_id"] == "SomeOrg/tiny-gpt2"
-    assert models.loadable_name(hosted) == "SomeOrg/tiny-gpt2"
+    assert records.loadable_name(hosted) == "SomeOrg/tiny-gpt2"
     (folder / "config.json").write_text(json.dumps({**config, "_name_or_path": str(folder)}))  # a path: no id
     assert "hub_id" not in models.model_source(models.load_model(str(folder)))
 

@@ -98,7 +98,7 @@ def test_the_train_verb_hands_one_run_config_to_one_function():
     called = _called_names(verb)
     assert "train" in called
     assert not called & {"load_host", "CachedActivations", "ModelActivations", "LearnerSpec", "Trainer",
-                         "model_identity", "default_width"}, called  # fmt: skip
+                         "model_identity", "default_width_multiplier"}, called  # fmt: skip
     types = {f.name: getattr(f.type, "__name__", f.type) for f in dataclasses.fields(TrainRun)}
     assert {types["stream"], types["train"], types["learners"]} == {
         "StreamConfig",
@@ -167,13 +167,13 @@ def test_train_is_a_straight_pipeline_over_one_learner_builder():
     assert not init & {
         "tokens_for",
         "dead_window_for",
-        "default_width",
+        "default_width_multiplier",
         "_admit",
         "build_layer",
         "size_for",
     }, init
     defined = {n.name for n in ast.parse((ROOT / "training.py").read_text()).body if hasattr(n, "name")}
-    assert not defined & {"LearnerSpec", "build_layer", "default_width", "_admit", "_check_given", "check_archs",
+    assert not defined & {"LearnerSpec", "build_layer", "_admit", "_check_given", "check_archs",
                           "learner_specs", "build_learners"}, defined  # fmt: skip
     learners = ast.parse((ROOT / "layers" / "learners.py").read_text())
     assert not {m for n in ast.walk(learners) for m in _imported(n)} & {"mxd_lens.training"}
@@ -224,3 +224,19 @@ def test_hook_names_are_spelled_in_one_module(tmp_path):
         "blocks.3.hook_mlp_out",
         "blocks.{}.mlp.hook_post",
     ]
+
+
+def test_the_host_is_loaded_once_and_the_stream_sizes_the_learners():
+    """open_stream loads the host in one place, for a cache and a live stream alike (after the cache is
+    opened, before the live stream is built on it); the default width multiplier is the stream's
+    (StreamInfo.default_width_multiplier), so layers/learners.py sizes a spec without asking matching."""
+    stream = _function(ROOT / "activations.py", "open_stream")
+    loads = [
+        n for n in ast.walk(stream) if isinstance(n, ast.Call) and getattr(n.func, "id", None) == "load_host"
+    ]
+    assert len(loads) == 1, ast.unparse(stream)
+    learners = ast.parse((ROOT / "layers" / "learners.py").read_text())
+    assert "mxd_lens.matching" not in {m for n in ast.walk(learners) for m in _imported(n)}
+    from mxd_lens.activations import StreamInfo
+
+    assert isinstance(StreamInfo.default_width_multiplier, property)

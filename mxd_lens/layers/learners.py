@@ -62,7 +62,7 @@ def learner_specs(learners: LearnersConfig, blocks: Sequence[int]) -> list[Learn
 class LearnerSpec:
     """One layer to train. ``width_multiplier`` m sets the transcoder width H = m * d_in; an MxD gets
     the experts that match that transcoder's parameters (``match_experts``). None (the default): the
-    run's stream chooses it, ``matching.default_width_multiplier`` (8, or more on hosts whose MLP is too
+    run's stream chooses it, ``StreamInfo.default_width_multiplier`` (8, or more on hosts whose MLP is too
     wide for a width-8 match), set by the Trainer on the spec itself and logged. ``d_sae`` instead sets
     the number of units (experts / latents) directly."""
 
@@ -153,13 +153,13 @@ class LearnerSpec:
         )
 
     def size_for(self, info: StreamInfo) -> bool:
-        """Set the width multiplier, if not given, to the one chosen for the stream ``info`` describes
-        (``matching.default_width_multiplier``: every learner of a run gets the same m). In place, as the
-        Trainer does for the specs it is given, so that ``spec.name`` then names the trained layer.
+        """Set the width multiplier, if not given, to the one the stream ``info`` describes chooses
+        (``StreamInfo.default_width_multiplier``: every learner of a run gets the same m). In place, as
+        the Trainer does for the specs it is given, so that ``spec.name`` then names the trained layer.
         True if it was chosen here."""
         if self.width_multiplier is not None:
             return False
-        self.width_multiplier = default_width(info)
+        self.width_multiplier = info.default_width_multiplier
         return True
 
     @property
@@ -167,14 +167,6 @@ class LearnerSpec:
         if self.normalize_decoder is None:
             return get_architecture(self.arch).unit_norm_decoder
         return self.normalize_decoder
-
-
-def default_width(info: StreamInfo) -> int:
-    """The width multiplier a run on this stream uses when none is given (``default_width_multiplier``)."""
-    from mxd_lens.matching import default_width_multiplier
-
-    d_hidden = info.d_hidden or 4 * info.d_out  # a stream recorded before d_hidden was: GPT-2's ratio
-    return default_width_multiplier(info.d_in, info.d_out, d_hidden, glu=info.gated, floor=WIDTH_MULTIPLIER)
 
 
 def build_layer(
@@ -213,14 +205,13 @@ def build_learners(
     model: Any = None,
     device: str = "cpu",
 ) -> tuple[list[tuple[LearnerSpec, MLPReplacement]], int | None]:
-    """Every learner of a run as its (spec, layer), once: a spec is sized for the stream ``info``
-    describes and built into a fresh layer, a caller's layer is checked against the stream
-    (``_admit``). Also the width multiplier chosen from the stream for the specs that left it unset
-    (logged; None if none did). Refuses an empty list or two learners of one name."""
-    unsized = [item for item in items
-               if isinstance(item, LearnerSpec) and item.width_multiplier is None and item.d_sae is None]  # fmt: skip
+    """Every learner of a run as its (spec, layer), once: every spec is sized for the stream ``info``
+    describes (``LearnerSpec.size_for``), then built into a fresh layer; a caller's layer is checked
+    against the stream (``_admit``). Also the width multiplier chosen from the stream for the specs that
+    left it unset (logged; None if none did). Refuses an empty list or two learners of one name."""
+    specs = [item for item in items if isinstance(item, LearnerSpec)]
+    chosen = sorted({spec.width_multiplier for spec in specs if spec.size_for(info) and spec.d_sae is None})
     admitted = [_admit(item, i, info, seed, model, device) for i, item in enumerate(items)]
-    chosen = sorted({spec.width_multiplier for spec in unsized})  # each set in place to default_width(info)
     names = [spec.name for spec, _ in admitted]
     if chosen:
         log.info("width multiplier m = %d (%s; width_multiplier / --width-multiplier sets it)", chosen[0],
@@ -236,13 +227,13 @@ def build_learners(
 def _admit(
     item: LearnerSpec | MLPReplacement, index: int, info: StreamInfo, seed: int, model: Any, device: str
 ) -> tuple[LearnerSpec, MLPReplacement]:
-    """A learner's spec and its layer: a spec is built into a fresh layer (seeded by the run's seed and
-    its place in the list), a caller's layer is checked against the stream and described by a spec."""
+    """A learner's spec and its layer: a spec (sized: ``build_learners``) is built into a fresh layer
+    (seeded by the run's seed and its place in the list), a caller's layer is checked against the
+    stream and described by a spec."""
     if isinstance(item, MLPReplacement):
         spec = LearnerSpec.of(item)
         _check_given(item, spec, info)
         return spec, item.to(device)
-    item.size_for(info)
     if item.init == "given":
         raise ValueError(
             f"{item.name}: init='given' means a layer built by the caller; pass the layer itself"

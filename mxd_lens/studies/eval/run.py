@@ -84,7 +84,7 @@ def evaluate_saved(model: Any, config: EvalOptions, progress: bool = True) -> li
     from mxd_lens.evaluation import check_disjoint, evaluate, held_out_batches
     from mxd_lens.layers.io import layer_folders, load_any_layer
     from mxd_lens.layers.registry import layer_arch
-    from mxd_lens.models import model_identity, model_source
+    from mxd_lens.models import model_identity
 
     if config.eval_tokens <= 0:
         raise ValueError(f"--eval-tokens {config.eval_tokens}: evaluate at least one row of tokens")
@@ -135,7 +135,7 @@ def evaluate_saved(model: Any, config: EvalOptions, progress: bool = True) -> li
         except ValueError as err:
             raise ValueError(f"{name}: {err}") from None
     if not config.allow_other_model:
-        here = model_identity(model_source(model))
+        here = model_identity(model)
         for name, layer in layers.items():
             recorded = TrainingRecord.of(layer).model_source
             if "kind" in recorded and model_identity(recorded) != here:

@@ -42,7 +42,7 @@ from mxd_lens.evaluation import check_disjoint, evaluate, held_out_batches
 from mxd_lens.fileio import atomic_write_text
 from mxd_lens.layers import arch_label
 from mxd_lens.layers.learners import LearnerSpec
-from mxd_lens.models import loadable_name
+from mxd_lens.records import loadable_name
 from mxd_lens.studies import StudyResult
 from mxd_lens.studies.common import recorded_options
 from mxd_lens.studies.eval.run import record_evaluation
