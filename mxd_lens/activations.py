@@ -48,7 +48,7 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from mxd_lens import hooks
-from mxd_lens.config import WIDTH_MULTIPLIER, StreamConfig  # noqa: F401 (StreamConfig re-exported: it configures this module's stream)
+from mxd_lens.config import WIDTH_MULTIPLIER, StreamConfig
 from mxd_lens.fileio import _umask, atomic_write, atomic_write_text, file_digest
 from mxd_lens.hooks import Writes
 from mxd_lens.records import canonical_model_name, is_named, loadable_name

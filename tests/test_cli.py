@@ -79,7 +79,7 @@ def test_cache_then_train_from_it_equals_training_live(tmp_path, text_model, cap
 
 def test_model_with_a_cache_is_used_and_checked_and_cache_applies_the_default_model(tmp_path, monkeypatch):
     import mxd_lens.models
-    from mxd_lens.models import DEFAULT_MODEL
+    from mxd_lens.config import DEFAULT_MODEL
 
     model, corpus = make_text_model(tmp_path)
     (tmp_path / "b").mkdir()

@@ -204,7 +204,8 @@ def test_frontier_variants_rates_and_out_of_domain_text(tmp_path):
 
 
 def test_each_learner_runs_at_its_own_rate_on_the_shared_schedule(tmp_path):
-    from mxd_lens.activations import CachedActivations, ModelActivations, StreamConfig, write_cache
+    from mxd_lens.activations import CachedActivations, ModelActivations, write_cache
+    from mxd_lens.config import StreamConfig
     from mxd_lens.layers.learners import LearnerSpec
     from mxd_lens.training import TrainConfig, Trainer
 

@@ -556,8 +556,8 @@ def test_train_runs_one_nested_run_config_and_records_it_whole(tmp_path):
 
     from conftest import make_text_model
 
-    from mxd_lens.activations import ModelActivations, StreamConfig, write_cache
-    from mxd_lens.config import LearnersConfig, TrainRun
+    from mxd_lens.activations import ModelActivations, write_cache
+    from mxd_lens.config import LearnersConfig, StreamConfig, TrainRun
     from mxd_lens.training import train
 
     model, corpus = make_text_model(tmp_path)
