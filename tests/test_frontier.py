@@ -182,6 +182,10 @@ def test_frontier_variants_rates_and_out_of_domain_text(tmp_path):
         rows_per_shard=16,
         eval_fraction=0.1,
     )
+    missing = dataclasses.replace(config, ood_text=str(tmp_path / "no" / "bbc.jsonl.xz"))
+    with pytest.raises(ValueError, match="no such file or folder: .*bbc.jsonl.xz"):
+        run_frontier(model, missing, tmp_path / "refused", progress=False)  # before any cache or training,
+    assert not (tmp_path / "refused").exists()  # not after an hour of it (as it once did)
     rows = {r["arch"]: r for r in run_frontier(model, config, tmp_path / "out", progress=False)}
     assert set(rows) == {"mxd", "mxd:gate=topk", "transcoder"}
     assert (rows["mxd"]["lr"], rows["mxd:gate=topk"]["lr"], rows["transcoder"]["lr"]) == (2e-3, 1e-3, 4e-3)

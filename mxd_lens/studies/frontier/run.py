@@ -95,6 +95,13 @@ def run_frontier(
 ) -> list[dict[str, Any]]:
     """Cache, train every (arch, K) at every layer from the one stream, evaluate, write results."""
     out = Path(out)
+    for text in (
+        config.text,
+        config.eval_text,
+        config.ood_text,
+    ):  # a wrong path fails now, not after training
+        if text is not None:
+            data.iter_texts(text)
     out.mkdir(parents=True, exist_ok=True)
     cache, text_info, n_shards = write_frontier_cache(model, config, out, progress)
     if config.eval_text is not None:
