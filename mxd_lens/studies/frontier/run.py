@@ -95,11 +95,8 @@ def run_frontier(
 ) -> list[dict[str, Any]]:
     """Cache, train every (arch, K) at every layer from the one stream, evaluate, write results."""
     out = Path(out)
-    for text in (
-        config.text,
-        config.eval_text,
-        config.ood_text,
-    ):  # a wrong path fails now, not after training
+    # a wrong text path fails now, not after the cache and training
+    for text in (config.text, config.eval_text, config.ood_text):
         if text is not None:
             data.iter_texts(text)
     out.mkdir(parents=True, exist_ok=True)
