@@ -8,7 +8,9 @@
 #                                           # results/data/mix7.txt.xz's train side (data.sh), float16
 #   bash analyses/protocol/gemma.sh sweep9  # sweep.py's lr choice at block 9 (sweep3, sweep15 likewise)
 #   bash analyses/protocol/gemma.sh G9      # the five methods at block 9, seeds 0 and 1 (G3, G15: seed 0)
-# Rates: ARCH_LR (default: what sweep9 chose, docs/results/protocol/gemma/sweep-l9/sweep.md).
+# Rates: ARCH_LR ("arch=lr ..."), by default the block's own sweep's choice (best_lr rows of
+# results/gemma-sweep-lB/sweep.csv, else its committed copy docs/results/protocol/gemma/sweep-lB/sweep.csv);
+# a G step refuses to start when neither the sweep nor ARCH_LR is there.
 # Outputs under results/gemma-*; keep.sh gemma-G9 (etc.) commits them as they come. THREADS (default 2).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -21,7 +23,20 @@ SHA=a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818
 CACHE=${CACHE:-results/cache-gemma-mix7}
 STD=mxd:gate=topk,gate_standardize=0.1
 ARCHS=(mxd mxd:gate=topk $STD transcoder skip_transcoder)
-ARCH_LR=${ARCH_LR:-"mxd=0.002 mxd:gate=topk=0.002 $STD=0.002 transcoder=0.004 skip_transcoder=0.002"}
+sweep_rates() {  # "arch=lr" for each arch of ARCHS at its best rate in block $1's sweep
+  local csv=results/gemma-sweep-l$1/sweep.csv
+  [ -f $csv ] || csv=docs/results/protocol/gemma/sweep-l$1/sweep.csv
+  [ -f $csv ] || { echo "no sweep for block $1: run 'gemma.sh sweep$1' first, or set ARCH_LR" >&2; return 1; }
+  .venv/bin/python - "$csv" "${ARCHS[@]}" <<'PY'
+import sys, pandas as pd
+table, archs = pd.read_csv(sys.argv[1]), sys.argv[2:]
+best = table[table.best_lr.astype(str) == "True"].set_index("arch").lr
+missing = [a for a in archs if a not in best.index]
+if missing:
+    sys.exit(f"{sys.argv[1]} has no best rate for {missing}: rerun the sweep or set ARCH_LR")
+print(" ".join(f"{a}={best[a]:g}" for a in archs))
+PY
+}
 COMMON=(--progress false --model "$GGUF" --text results/data/mix7.txt.xz --eval-fraction 0.05
         --train-tokens 524288 --cache-dtype float16 --cache "$CACHE" --ks 32)
 case $STEP in
@@ -43,6 +58,8 @@ case $STEP in
     cp results/gemma-sweep-l$B/sweep.{csv,md} docs/results/protocol/gemma/sweep-l$B/ ;;
   G3|G9|G15)
     B=${STEP#G}; GRID=(); [ "$B" = 9 ] && GRID=(--grid 9:32@1)
+    ARCH_LR=${ARCH_LR:-$(sweep_rates $B)}
+    echo "block $B rates: $ARCH_LR"
     exec .venv/bin/mxd-lens frontier "${COMMON[@]}" --blocks $B "${GRID[@]}" --epochs 2 \
         --eval-tokens 32768 --ood-text $DATA/probing/topic_bbc_news.jsonl.xz --ood-eval-tokens 32768 \
         --archs "${ARCHS[@]}" --arch-lr $ARCH_LR --out results/gemma-$STEP ;;
