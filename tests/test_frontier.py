@@ -207,6 +207,47 @@ def test_frontier_variants_rates_and_out_of_domain_text(tmp_path):
         dataclasses.replace(config, arch_lr=["skip_transcoder=0.001"])
 
 
+def test_a_failed_out_of_domain_evaluation_resumes_after_the_held_out_one(tmp_path, monkeypatch):
+    """A group whose OOD evaluation fails keeps its held-out rows: the rerun evaluates the OOD text only,
+    and its rows are those of a run that never failed (the held-out record goes when the group ends)."""
+    import mxd_lens.studies.frontier.run as frontier_run
+
+    model, corpus = make_text_model(tmp_path)
+    other = tmp_path / "other.txt"
+    other.write_text("\n\n".join(" ".join(d.split()[::-1]) for d in corpus.read_text().split("\n\n")[:80]))
+    config = FrontierConfig(
+        text=str(corpus), blocks=[1], ks=[2], archs=["mxd", "transcoder"], ood_text=str(other),
+        ood_eval_tokens=96, train_tokens=64 * 4, eval_tokens=120, context_size=12,
+        train=TrainConfig(epochs=1.0, batch_tokens=64, lr=2e-3), rows_per_shard=16, eval_fraction=0.1,
+    )  # fmt: skip
+    whole = run_frontier(model, config, tmp_path / "whole", progress=False)
+    real_batches, real_evaluate, evaluated = frontier_run.held_out_batches, frontier_run.evaluate, []
+
+    def failing(model, text, *args, **kwargs):
+        if text == config.ood_text:
+            raise OSError("the OOD text's disk went away")
+        return real_batches(model, text, *args, **kwargs)
+
+    def counting(model, layers, batches, **kwargs):
+        evaluated.append(len(batches))
+        return real_evaluate(model, layers, batches, **kwargs)
+
+    monkeypatch.setattr(frontier_run, "held_out_batches", failing)
+    monkeypatch.setattr(frontier_run, "evaluate", counting)
+    with pytest.raises(OSError, match="went away"):
+        run_frontier(model, config, tmp_path / "out", progress=False)
+    assert len(evaluated) == 1 and (tmp_path / "out/runs/L1.seed0/eval-held-out.json").is_file()
+    monkeypatch.setattr(frontier_run, "held_out_batches", real_batches)
+    rows = run_frontier(model, config, tmp_path / "out", progress=False)
+    assert len(evaluated) == 2  # the OOD text only: the held-out rows came from their record
+    assert not (tmp_path / "out/runs/L1.seed0/eval-held-out.json").exists()
+    for resumed, straight in zip(rows, whole, strict=True):
+        differ = {k for k in resumed.keys() | straight.keys() if resumed.get(k) != straight.get(k)}
+        # NaN (a standard error of one evaluation row) is not equal to itself
+        nan = {k for k in differ if pd.isna(resumed.get(k)) and pd.isna(straight.get(k))}
+        assert differ - nan == {"weights"}, differ  # the same numbers; only the folder differs
+
+
 def test_each_learner_runs_at_its_own_rate_on_the_shared_schedule(tmp_path):
     from mxd_lens.activations import CachedActivations, ModelActivations, write_cache
     from mxd_lens.config import StreamConfig

@@ -144,7 +144,7 @@ class FrontierOptions(FrontierConfig):
     transcoder at several (block, K, seed), from one cached activation stream, spliced on held-out text.
     Writes OUT/frontier.json (config, command, results), OUT/frontier.csv and OUT/frontier.png; the cache
     and the trained weights (runs/*/final) stay under OUT for later studies (probing, steering). Rerun the
-    same command to resume."""
+    same command to resume: training from its last checkpoint, evaluation from the last text it finished."""
 
     cache_only: bool = False
     """write (or check) the activation cache, then stop"""
