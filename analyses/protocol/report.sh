@@ -13,3 +13,6 @@ report --out $R/A3                           # the standardised gate at A's poin
 report --out $R/B                            # blocks 5 and 25
 report --out $R/C --override $R/A $R/A3      # K = 16 and 64, with A's and A3's K = 32 rows
 report --out $R/D --override $R/B $R/A $R/A3 # blocks 5, 15 and 25 with the standardised gate
+for part in G3 G9 G15; do                    # Gemma-3-270m (gemma.sh), each block as far as it has run
+  if [ -f $R/gemma/$part/frontier.json ]; then report --out $R/gemma/$part; fi
+done
