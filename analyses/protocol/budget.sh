@@ -3,11 +3,12 @@
 # (study.sh's four and the standardised gate), parameter-matched, K = 32, at the rates the sweep chose at
 # block 15 (every method 2e-3), trained for 8,192 steps of 512 tokens: 2 epochs over a 2,097,152-token
 # cache of block 15 (64 shards), checkpoints every 1,024 steps, all kept. Then every checkpoint is
-# evaluated on BBC News (out of domain) and the held-out mix, and KL against training tokens is drawn.
+# evaluated on BBC News (out of domain; the final layers on the held-out mix too, by `train`), and KL
+# against training tokens is drawn.
 # One step per call, each resumable (rerun the same command):
 #   bash analyses/protocol/budget.sh cache   # ~40 min: the cache (results/cache-mix7-l15-2m)
-#   bash analyses/protocol/budget.sh train   # ~4 h on 2 cores: resumable, rerun after a reset
-#   bash analyses/protocol/budget.sh curve   # each checkpoint on BBC and held out -> the table and plot
+#   bash analyses/protocol/budget.sh train   # ~2 h on 2 cores: resumable, rerun after a reset
+#   bash analyses/protocol/budget.sh curve   # each checkpoint on BBC (~5 min each) -> the table and plot
 # Results: docs/results/protocol/budget/ (keep.sh budget commits the frontier files as they come).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -32,7 +33,6 @@ case $STEP in
     for ckpt in $OUT/runs/L15.seed0/checkpoints/step_*/; do
       [ -f $ckpt/evaluated ] && continue  # done before (the results are in its layers' cfg.json)
       .venv/bin/mxd-lens eval $ckpt --text $DATA/probing/topic_bbc_news.jsonl.xz --split all --eval-tokens 32768
-      .venv/bin/mxd-lens eval $ckpt --eval-tokens 32768  # the held-out side of the training mix
       touch $ckpt/evaluated
     done
     .venv/bin/python analyses/protocol/budget_curve.py docs/results/protocol/budget ;;
