@@ -6,7 +6,7 @@
 # to docs/results/protocol/sweep-lBLOCK/ when it is done. THREADS (default 2) torch threads.
 #   nohup bash analyses/protocol/sweep_depth.sh > results/sweep-depth.log 2>&1 &
 # `low`: the grid's bottom edge, where every MxD was best: the three MxDs at 5e-4 beside 1e-3 again (the
-# same stream and seed, so its 1e-3 rows must repeat the sweep's), into sweep-lBLOCK-low/ (~6 min a block).
+# same stream and seed, so its 1e-3 rows must repeat the sweep's), into sweep-lBLOCK-low/ (~12 min a block measured at 1 thread beside an evaluation).
 #   bash analyses/protocol/sweep_depth.sh low
 set -euo pipefail
 cd "$(dirname "$0")/../.."
