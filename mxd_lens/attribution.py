@@ -14,7 +14,10 @@ token and position embeddings, the MLP outputs, and the bias parameters (attenti
 biases, b_U). Each source's attribution is source · ∂target/∂source in the frozen model, and they sum
 to the target exactly (``Attribution.completeness``). A spliced block's output is split further into
 its units' e_{t,n} · g_t, its ``rest`` and the error term (what the splice writes minus the layer's
-own output: the error term itself with ``splice(..., error_term=True)``, else zero).
+own output: the error term itself with ``splice(..., error_term=True)``, else zero), at the positions
+the splice replaces (``mxd_lens.hooks.first_position``); before them (position 0, BOS, for a layer
+trained without it) the block's output is the MLP's own, a "mlp (dense)" part, as circuit-tracer
+zeroes every feature at position 0.
 
 A layer that replaces the MLP module (``metadata.hook_name_out = blocks.L.mlp.hook_out``: Gemma-2/3 and
 OLMo-2/3, whose blocks normalise the MLP output before ``hook_mlp_out``, ``mxd_lens.hooks``) is split
@@ -226,7 +229,10 @@ def attribute(model: Any, tokens: Any, target: Callable[[torch.Tensor], torch.Te
         split = contributions(spliced[block], hooks.layer_input(io, reps[block])[0])
         unit_attr = (split.vectors * g[:, None, :]).sum(-1)  # [T, K]
         error = written - split.total()
-        for t in range(n_pos):
+        first = min(reps[block].first, n_pos)  # before it the splice kept the MLP's own output
+        parts += [{"kind": "mlp (dense)", "block": block, "position": t, "attribution": float(v)}
+                  for t, v in enumerate((written[:first] * g[:first]).sum(-1))]  # fmt: skip
+        for t in range(first, n_pos):
             for j in range(split.indices.shape[1]):
                 if split.values[t, j] != 0:
                     units.append({"block": block, "position": t, "token": strings[t], "unit": int(split.indices[t, j]),
@@ -445,14 +451,14 @@ def edges(model: Any, tokens: Any, upstream: int, downstream: int, keep: float =
         values, indices = down_rep.encode_sparse(x.detach())
         pre = down_rep.pre_activations(x)  # [T, N], linear in the upstream MLP output under the freeze
         rows = []
-        for t2 in range(x.shape[0]):
+        for t2 in range(down_rep.first, x.shape[0]):
             for j in range(indices.shape[1]):
                 if values[t2, j] == 0:
                     continue
                 m = int(indices[t2, j])
                 (g,) = torch.autograd.grad(pre[t2, m], leaf["source"], retain_graph=True)
                 weights = (split.vectors * g[0][:, None, :]).sum(-1)  # [T1, K1]
-                for t1 in range(t2 + 1):
+                for t1 in range(up_rep.first, t2 + 1):  # its units write from its first position on
                     for i in range(split.indices.shape[1]):
                         if split.values[t1, i] != 0:
                             rows.append({"up_position": t1, "up_unit": int(split.indices[t1, i]), "down_position": t2,

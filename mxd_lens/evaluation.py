@@ -34,11 +34,17 @@ gives signed codes):
   random directions per token).
   (When the model prepends BOS, position 0 is left out of all of these, as in training.)
 
+Each layer replaces the MLP from its first trained position on (``mxd_lens.hooks.first_position``: 1
+for a layer trained without position 0, the BOS), as every splice does; before it the MLP's own output
+stays, in the splice and in the zero- and mean-ablation baselines of its block alike, so CE recovered
+compares like with like. Each row records it as ``spliced_from``.
+
 ``skip_positions = N`` leaves the first N positions of every row out of everything: CE and KL count the
 predictions made at positions N and later (of tokens N + 1 on), FVU and the usage counts the activations
 at positions N and later (and at least position 0 with BOS). For layers not trained there, e.g. Gemma
 Scope 2's instruction-tuned transcoders, which skipped the first 4 positions; the layer still replaces
-the MLP at every position, so later positions see its output there through attention.
+the MLP at those positions, so later positions see its output there through attention (unless its
+``metadata.seqpos_slice`` says it starts later: then its splice does too).
 
 Layers from elsewhere (SAELens transcoders, ``mxd_lens.foreign``) are measured the same way: their codes
 are ``encode(x)``, their output SAELens's forward. One that reads ``blocks.L.hook_mlp_in`` (the residual
@@ -101,7 +107,7 @@ def evaluate(
     """
     reps = _replacements(model, layers, together)
     plan = _Plan.of(model, reps, skip_first_position, skip_positions)
-    spliced = _Spliced(model, plan.blocks, plan.first)
+    spliced = _Spliced(model, plan.blocks, plan.first, plan.keep)
     moments = _OutputMoments(plan.targets, plan.skip)
     parts = _layer_parts(model, reps, jacobian_tokens, jacobian_directions)
     for tokens in tqdm(batches, desc="evaluating", unit="batch", disable=not progress):
@@ -128,6 +134,10 @@ def evaluate(
         rows.append({**row, **spliced.columns("together", plan.blocks, baselines)})
     for row in rows:
         row["skip_positions"] = plan.first
+    for row, rep in zip(rows, reps.values(), strict=False):
+        row["spliced_from"] = rep.first
+    if together:
+        rows[-1]["spliced_from"] = max(plan.keep.values())
     return rows
 
 
@@ -172,7 +182,9 @@ class _Plan:
     before ln2 (``resid``) or writes the MLP module's output (``module_out``), and the FVU ``targets``,
     (block, capture key) of what each layer replaces plus every block's ``hook_mlp_out`` ("out": also
     mean-ablation's mean); CE and KL count the predictions at positions ``first``.., FVU and the usage
-    the activations at positions ``skip``.. (``first``, and at least 1 where the model prepends BOS)."""
+    the activations at positions ``skip``.. (``first``, at least 1 where the model prepends BOS, and at
+    least where every layer starts replacing); ``keep``: per block, the positions where the MLP's own
+    output stays in its ablations (the latest first position of its layers: ``hooks.first_position``)."""
 
     blocks: list[int]
     resid: list[int]
@@ -180,6 +192,7 @@ class _Plan:
     targets: list[tuple[int, str]]
     first: int
     skip: int
+    keep: dict[int, int]
 
     @classmethod
     def of(cls, model: Any, reps: Mapping[str, Any], skip_first_position: bool | None, first: int) -> _Plan:
@@ -190,13 +203,15 @@ class _Plan:
         if isinstance(first, bool) or not isinstance(first, int) or first < 0:
             raise ValueError(f"skip_positions={first!r}: give a number of positions, 0 or more")
         bos = model.cfg.default_prepend_bos if skip_first_position is None else skip_first_position
+        keep = {b: max(r.first for r in reps.values() if r.block == b) for b in blocks}
         return cls(
             blocks=blocks,
             resid=hooks.resid_blocks(list(reps.values())),
             module_out=sorted({rep.block for rep in reps.values() if rep.writes == "mlp"}),
             targets=sorted(targets),
             first=first,
-            skip=max(int(bos), first),
+            skip=max(int(bos), first, *keep.values()),
+            keep=keep,
         )
 
 
@@ -267,10 +282,11 @@ class _Spliced:
     """The next-token CE of the clean model and of each variant run from its block on (a layer spliced
     alone, a block's ``hook_mlp_out`` zero- or mean-ablated, all layers together), KL(clean ‖ variant),
     and each layer's per-batch ΔCE and KL (their standard errors), over the predictions at positions
-    ``first``.. Variants are labelled "splice:NAME", "zero:BLOCK", "mean:BLOCK", "together"."""
+    ``first``.. Variants are labelled "splice:NAME", "zero:BLOCK", "mean:BLOCK", "together". A layer's
+    splice keeps the MLP's output before its first position; an ablation, before ``keep[block]``."""
 
-    def __init__(self, model: Any, blocks: Sequence[int], first: int):
-        self.model, self.blocks, self.first = model, list(blocks), first
+    def __init__(self, model: Any, blocks: Sequence[int], first: int, keep: Mapping[int, int]):
+        self.model, self.blocks, self.first, self.keep = model, list(blocks), first, dict(keep)
         self.scorer = _VocabScorer()
         self.ce: dict[str, float] = {}  # Σ CE per label ("clean" too)
         self.kl: dict[str, float] = {}  # Σ KL(clean ‖ variant) per label
@@ -300,7 +316,9 @@ class _Spliced:
         return ce, kl
 
     def splice(self, name: str, run: _LayerRun, batch: _Batch) -> None:
-        logits = _run_from(self.model, batch.resid, run.block, {run.block: run.out}, run.rep.writes)
+        logits = _run_from(
+            self.model, batch.resid, run.block, {run.block: run.out}, run.rep.writes, run.rep.first
+        )
         ce, kl = self.score(f"splice:{name}", logits, batch.target, batch.clean)
         n = batch.target.numel()
         self.per_batch.setdefault(name, []).append(((ce - self._clean_sum) / n, kl / n))
@@ -310,9 +328,8 @@ class _Spliced:
         self.kept.append(({b: r.cpu() for b, r in batch.resid.items()}, batch.target.cpu()))
         for block in self.blocks:
             zero = torch.zeros_like(batch.io[block]["out"])
-            self.score(
-                f"zero:{block}", _run_from(self.model, batch.resid, block, {block: zero}), batch.target
-            )
+            logits = _run_from(self.model, batch.resid, block, {block: zero}, keep=self.keep[block])
+            self.score(f"zero:{block}", logits, batch.target)
 
     def together(self, layers: Sequence[Any], batch: _Batch) -> None:
         start = self.blocks[0]
@@ -327,7 +344,8 @@ class _Spliced:
                 for block in self.blocks:
                     r = resid[block].to(self.model.cfg.device)
                     mean = means[block].to(r.dtype).expand_as(r)
-                    logits = _run_from(self.model, {block: r}, block, {block: mean})[:, self.first : -1]
+                    logits = _run_from(self.model, {block: r}, block, {block: mean}, keep=self.keep[block])
+                    logits = logits[:, self.first : -1]
                     _add(self.ce, f"mean:{block}", self.scorer.ce(logits, target.to(logits.device)))
 
     def columns(self, label: str, blocks: Sequence[int], baselines: bool) -> dict[str, Any]:
@@ -629,13 +647,15 @@ def _run_from(
     block: int,
     outputs: Mapping[int, torch.Tensor],
     writes: hook_names.Writes = "hook_mlp_out",
+    keep: int = 0,
 ):
     """Logits of the model run from ``block``'s residual stream on, with each given block's output at
     ``writes`` (``hook_mlp_out``, or the MLP module's, which the block's post-MLP norm follows) replaced
-    by the given tensor (a layer's output on the clean input, zeros, the mean)."""
+    by the given tensor (a layer's output on the clean input, zeros, the mean) from position ``keep`` on
+    (before it the block's own output stays: the clean one, as the run starts from the clean residual)."""
 
     def replace(value: torch.Tensor):
-        return lambda out: value.to(out.dtype).expand_as(out)
+        return lambda out: hooks.keep_first(out, value.to(out.dtype).expand_as(out), keep)
 
     with hooks.replacing_outputs(model, {(b, writes): replace(v) for b, v in outputs.items()}):
         return model(resid[block], start_at_layer=block)

@@ -46,6 +46,8 @@ from sae_lens import SAE
 from sae_lens.saes.transcoder import SkipTranscoder, Transcoder
 from transformer_lens.hook_points import HookPoint
 
+from mxd_lens.hooks import first_position
+
 SUPPORTED_READS = ("blocks.L.mlp.hook_in", "blocks.L.ln2.hook_normalized", "blocks.L.hook_mlp_in")
 _SUPPORTED = (
     f"mxd-lens splices layers that replace an MLP: they read its input ({', '.join(SUPPORTED_READS)}) "
@@ -119,6 +121,12 @@ class ForeignLayer:
                 "instead, set layer.cfg.metadata.hf_hook_name = None",
                 stacklevel=3,
             )
+
+    @property
+    def first(self) -> int:
+        """The first position a splice replaces (``mxd_lens.hooks.first_position``: its
+        ``metadata.seqpos_slice``, 0 when it records none)."""
+        return first_position(self.layer)
 
     @property
     def default_name(self) -> str:

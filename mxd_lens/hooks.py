@@ -24,6 +24,15 @@ A plain ``HookedTransformer`` has no ``mlp.hook_out``: :func:`splice` writes the
 the MLP module; ``mxd_lens.models.add_mlp_out_hooks`` adds the hook point for SAELens's
 ``HookedSAETransformer.add_sae`` (``load_model(..., cls=HookedSAETransformer)`` does it itself).
 
+Which positions a splice replaces: those the layer trained on. The trainer leaves out position 0 of
+every row when the model prepends BOS (``mxd_lens.activations``: there the residual stream is an
+attention sink, far from every other token's), and records it as SAELens does, ``cfg.metadata.seqpos_slice
+= [1, None]``; a splice then keeps the MLP's own output at position 0 and writes the layer's from
+position 1 on (:func:`first_position`), as circuit-tracer zeroes features at position 0. Splicing the
+untrained position too broke Gemma-3 (KL 1-2.6 nats at block 3 from FVU 0.07-0.15). Positions count
+from the start of the row, also in ``model.generate`` with a key-value cache; rows padded on the left
+are not handled (their BOS is not at position 0). ``seqpos_slice = [None]`` splices every position.
+
 Layers from elsewhere (any SAELens ``SAE`` whose cfg says it reads an MLP's input and writes
 ``blocks.L.hook_mlp_out``: SAELens's transcoders, loaded with ``SAE.from_pretrained`` /
 ``SAE.load_from_disk``) splice and evaluate too: :func:`replacement` is the one place that tells them
@@ -51,7 +60,7 @@ from mxd_lens.hook_names import (
     parse_in_hook,
     parse_out_hook,
 )
-from mxd_lens.records import check_dense
+from mxd_lens.records import TrainingRecord, check_dense
 
 if TYPE_CHECKING:
     from sae_lens import SAE
@@ -208,6 +217,46 @@ def check_model_name(model: HookedTransformer, rep: Any) -> None:
     )
 
 
+def first_position(layer: Any) -> int:
+    """The first position of each row where a splice writes ``layer``'s output (before it, the MLP's own
+    output stays): the start of ``cfg.metadata.seqpos_slice``, SAELens's record of the positions a layer
+    trained on (mxd-lens's trainer writes ``[1, None]`` when it left out position 0, BOS); for a layer
+    that records none, 1 if its mxd-lens training record says the model prepended BOS (a layer saved
+    before the trainer recorded ``seqpos_slice``: it left out position 0 then too), else 0. A slice with
+    an end or a step is refused: a splice replaces every position from its first one on."""
+    metadata = getattr(getattr(layer, "cfg", None), "metadata", None)
+    seqpos = getattr(metadata, "seqpos_slice", None) if metadata is not None else None
+    if seqpos is None:
+        model = TrainingRecord.of(layer).model_source if metadata is not None else {}
+        return int(bool(model.get("prepend_bos")))
+    parts = list(seqpos) if isinstance(seqpos, (list, tuple)) else None
+    ok = (
+        parts is not None
+        and 1 <= len(parts) <= 3
+        and all(p is None or (isinstance(p, int) and not isinstance(p, bool)) for p in parts)
+    )
+    start = parts[0] if ok and parts[0] is not None else 0
+    if (
+        not ok
+        or start < 0
+        or (len(parts) > 1 and parts[1] is not None)
+        or (len(parts) > 2 and parts[2] not in (None, 1))
+    ):
+        raise ValueError(
+            f"{type(layer).__name__} has metadata.seqpos_slice={seqpos!r}: a splice replaces every position "
+            "from a first one on, so give [start, None] (start >= 0; [None] for every position): set "
+            "layer.cfg.metadata.seqpos_slice"
+        )
+    return start
+
+
+def keep_first(original: torch.Tensor, new: torch.Tensor, keep: int) -> torch.Tensor:
+    """``new`` [..., positions, d] with its first ``keep`` positions taken from ``original``."""
+    if keep <= 0:
+        return new
+    return torch.cat((original[..., :keep, :], new[..., keep:, :]), dim=-2)
+
+
 def replacement(layer: Any) -> Any:
     """How ``splice`` and ``evaluate`` use ``layer``: an :class:`OurLayer` for a layer with mxd-lens's
     sparse interface (``forward_sparse``, ``output_from_codes``: every ``MLPReplacement``), used as it
@@ -216,7 +265,7 @@ def replacement(layer: Any) -> Any:
 
     Both give: ``layer``, ``block``, ``reads`` ("mlp": the exact input of the MLP module; "resid":
     ``hook_mlp_in``'s value, the residual before ln2), ``writes`` (:data:`Writes`), ``k`` (None when the layer has none),
-    ``default_name``, ``check_fits(model, block)``, ``layer_output(x)`` (what the splice writes, code
+    ``default_name``, ``first`` (:func:`first_position`), ``check_fits(model, block)``, ``layer_output(x)`` (what the splice writes, code
     hooks run), ``unhooked(x)`` (the output without code hooks, None when ``layer_output``'s already
     is), ``forward_sparse(x)`` -> (output, code values, code indices) and ``output_from_codes(x, values,
     indices)`` (None when the layer's output cannot be rebuilt from chosen codes)."""
@@ -252,6 +301,10 @@ class OurLayer:
     @property
     def k(self) -> int:
         return self.layer.cfg.k
+
+    @property
+    def first(self) -> int:
+        return first_position(self.layer)
 
     @property
     def default_name(self) -> str:
@@ -493,6 +546,9 @@ def splice(
         for index, rep in placed.items():
             slot: dict[str, torch.Tensor] = {}
             handles.append(read_module(model, index, rep.reads).register_forward_pre_hook(_store_input(slot)))
+            if rep.first:  # where the row starts: a key-value cache (generate) runs later positions alone
+                hook = model.blocks[index].register_forward_pre_hook(_store_offset(slot), with_kwargs=True)
+                handles.append(hook)
             replace[index, rep.writes] = _replace_output(rep, slot, error_term)
         active = _SPLICED.setdefault(model, {})
         active.update({index: rep.layer for index, rep in placed.items()})
@@ -510,7 +566,20 @@ def spliced_layers(model: HookedTransformer) -> dict[int, Any]:
     return dict(_SPLICED.get(model, {}))
 
 
-def _replace_output(rep: Any, slot: dict[str, torch.Tensor], error_term: bool):
+def _store_offset(slot: dict[str, Any]):
+    """A block's forward pre-hook recording the row position of its input's first position: the length
+    of its key-value cache entry (TransformerLens passes ``past_kv_cache_entry``), else 0."""
+
+    def pre_hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        entry = kwargs.get("past_kv_cache_entry")
+        slot["offset"] = 0 if entry is None else int(entry.past_keys.shape[1])
+
+    return pre_hook
+
+
+def _replace_output(rep: Any, slot: dict[str, Any], error_term: bool):
+    first = rep.first
+
     def replace(mlp_out: torch.Tensor) -> torch.Tensor:
         x = slot.pop("in")
         out = rep.layer_output(x).to(mlp_out.dtype)
@@ -520,6 +589,6 @@ def _replace_output(rep: Any, slot: dict[str, torch.Tensor], error_term: bool):
                 clean = out if clean is None else clean.to(mlp_out.dtype)
                 error = mlp_out - clean
             out = out + error
-        return out
+        return keep_first(mlp_out, out, first - slot.pop("offset", 0))
 
     return replace

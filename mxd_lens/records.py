@@ -86,6 +86,7 @@ class EvaluationRecord:
     tokens: int = 0
     context_size: int | None = None
     skip_positions: int = 0  # each row's first positions left out of every metric (0 before it existed)
+    spliced_from: int | None = None  # the first position the layer replaced (None: recorded before it; all)
     metrics: dict[str, Any] = field(default_factory=dict)
     model: dict[str, Any] | None = None
     mxd_lens_version: str | None = None

@@ -352,6 +352,8 @@ class Trainer(TrainingLoop):
             layer.fold_activation_scales(s_in, s_out)
             history = learner.history[-1] if learner.history else {}
             layer.cfg.metadata.mxd_lens_version = _version()
+            # the positions it trained on, as SAELens records them: a splice replaces only those
+            layer.cfg.metadata.seqpos_slice = [1, None] if self.source.info.drop_first_position else [None]
             layer.cfg.metadata.training = TrainingRecord(
                 model=getattr(self.source, "model_source", None),
                 config=asdict(self.config),

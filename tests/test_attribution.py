@@ -37,11 +37,15 @@ def test_contributions_sum_to_the_layer_output(cls):
 
 @pytest.mark.parametrize("kind, gate", [("gpt2", "relu_topk"), ("gated", "relu_topk"), ("gated", "topk")])
 @pytest.mark.parametrize("error_term", [True, False])
+@pytest.mark.parametrize("first", [0, 1])
 def test_parts_sum_to_the_target_and_removing_a_contribution_moves_it_by_its_attribution(
-    kind, gate, error_term
+    kind, gate, error_term, first
 ):
+    """``first``: the layer's first trained position (seqpos_slice); before it the MLP's own output is a
+    "mlp (dense)" part of the spliced block, and no unit is active there."""
     model = make_model(kind)
     layer = randomise(MxD.for_model(model, 1, d_sae=24, k=4, gate=gate), 5, scale=0.3)
+    layer.cfg.metadata.seqpos_slice = [first, None]
     tokens = torch.randint(0, model.cfg.d_vocab, (1, 10), generator=torch.Generator().manual_seed(0))
     target = logit_target(token=7, minus=3)
     with mxd_lens.splice(model, layer, error_term=error_term):
@@ -60,6 +64,14 @@ def test_parts_sum_to_the_target_and_removing_a_contribution_moves_it_by_its_att
         edited[0, t] -= split.vectors[t, j]
         moved = frozen_target(model, tokens, target, result, edit={name: edited}) - result.target
         assert moved == pytest.approx(-top.attribution, rel=1e-4, abs=1e-6)
+        assert (result.units.position >= first).all()
+        kept = result.parts[(result.parts.block == 1) & (result.parts.position < first)]
+        assert list(kept.kind) == ["mlp (dense)"] * first
+        if first:  # the MLP's own output at position 0: removing it moves the target by its attribution
+            edited = result.frozen[name].clone()
+            edited[0, 0] = 0
+            moved = frozen_target(model, tokens, target, result, edit={name: edited}) - result.target
+            assert moved == pytest.approx(-float(kept.attribution.iloc[0]), rel=1e-4, abs=1e-6)
     assert not (result.units.attribution == 0).all()
 
 
@@ -148,8 +160,12 @@ def test_edges_are_the_frozen_change_of_downstream_gates(down_cls):
     down = randomise(down_cls.for_model(model, 2, d_sae=16, k=3), 2, scale=0.3)
     tokens = torch.randint(0, model.cfg.d_vocab, (1, 6), generator=torch.Generator().manual_seed(0))
     with mxd_lens.splice(model, up, down):
+        assert (edges(model, tokens, 0, 2, keep=1.0).up_position == 0).any()
+    up.cfg.metadata.seqpos_slice = [1, None]  # trained without position 0: no unit of it writes there
+    with mxd_lens.splice(model, up, down):
         table = edges(model, tokens, 0, 2, keep=1.0)
         assert (table.up_position <= table.down_position).all() and len(table)
+        assert (table.up_position >= 1).all()
         top = table.iloc[0]
         split = contributions(up, _mlp_in(model, tokens, 0))
         t1, u = int(top.up_position), int(top.up_unit)

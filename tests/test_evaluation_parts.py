@@ -159,8 +159,8 @@ def test_spliced_ce_kl_ablations_and_standard_errors_match_torch(monkeypatch):
     monkeypatch.setattr(evaluation, "_run_from", lambda *args, **kwargs: next(given))
 
     model = SimpleNamespace(cfg=SimpleNamespace(device="cpu"))
-    spliced = _Spliced(model, blocks=[1], first=first)
-    run = SimpleNamespace(block=1, out=None, rep=SimpleNamespace(writes="hook_mlp_out"))
+    spliced = _Spliced(model, blocks=[1], first=first, keep={1: 0})
+    run = SimpleNamespace(block=1, out=None, rep=SimpleNamespace(writes="hook_mlp_out", first=0))
     for d in data:
         clean = d["clean"][:, first:-1]
         batch = _Batch(
@@ -256,7 +256,17 @@ def test_rows_keep_their_columns_in_order():
     layer = ["name", "architecture", "block", "k", "d_sae", "params", *ce, "ce_zero_ablation",
              "ce_recovered_zero", "ce_mean_ablation", "ce_recovered_mean", "fvu", "l0", "l0_positive",
              "always_on", "effective_units", "top1_fvu", "dead_fraction", "train_dead_fraction",
-             "jacobian_cos", "delta_ce_se", "kl_se", "explained_variance", "skip_positions"]  # fmt: skip
+             "jacobian_cos", "delta_ce_se", "kl_se", "explained_variance", "skip_positions", "spliced_from"]  # fmt: skip
     assert [list(r) for r in rows[:2]] == [layer, layer]
-    assert list(rows[2]) == ["name", "architecture", "block", "k", "d_sae", "params", *ce, "skip_positions"]
+    assert list(rows[2]) == [
+        "name",
+        "architecture",
+        "block",
+        "k",
+        "d_sae",
+        "params",
+        *ce,
+        "skip_positions",
+        "spliced_from",
+    ]
     assert (rows[2]["architecture"], rows[2]["block"]) == ("a+b", "1,2")

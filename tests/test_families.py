@@ -94,12 +94,19 @@ class Host:
 
 # -- hand-written references ----------------------------------------------------------------------------
 def replaced(
-    model, tokens: torch.Tensor, fns: dict[int, Callable[[torch.Tensor], torch.Tensor]]
+    model, tokens: torch.Tensor, fns: dict[int, Callable[[torch.Tensor], torch.Tensor]], first: int = 0
 ) -> torch.Tensor:
-    """Logits with each block's MLP *module* output replaced by fn(its input): forward hooks on
-    blocks[L].mlp. In a pre-norm block the module output is hook_mlp_out itself; in a post-norm block
-    (Gemma-2/3, OLMo-2) the host's norm runs after it, as after the MLP."""
-    handles = [model.blocks[b].mlp.register_forward_hook(lambda m, args, out, fn=fn: fn(args[0]))
+    """Logits with each block's MLP *module* output replaced by fn(its input) from position ``first`` on
+    (the module's own output before it): forward hooks on blocks[L].mlp. In a pre-norm block the module
+    output is hook_mlp_out itself; in a post-norm block (Gemma-2/3, OLMo-2) the host's norm runs after it,
+    as after the MLP."""
+
+    def hook(module, args, out, fn):
+        new = fn(args[0]).to(out.dtype).clone()
+        new[:, :first] = out[:, :first]
+        return new
+
+    handles = [model.blocks[b].mlp.register_forward_hook(lambda m, args, out, fn=fn: hook(m, args, out, fn))
                for b, fn in fns.items()]  # fmt: skip
     try:
         with torch.no_grad():
@@ -206,8 +213,11 @@ def check_train(h: Host) -> str:
     require(len(trained) == len(specs), "learners", str(list(trained)))
     x, _ = mlp_io(model, block, h.tokens)
     want_out = f"blocks.{block}.mlp.hook_out" if h.writes_module else f"blocks.{block}.hook_mlp_out"
+    first = int(stream.info.drop_first_position)  # the trainer left out position 0 (BOS) then
     for name, layer in trained.items():
         loaded = SAE.load_from_disk(out / "final" / name)
+        require(list(loaded.cfg.metadata.seqpos_slice) == ([1, None] if first else [None]),
+                "records other positions", str(loaded.cfg.metadata.seqpos_slice))  # fmt: skip
         require(type(loaded) is type(layer), "loads as another class", f"{type(loaded)} vs {type(layer)}")
         require(loaded.cfg.metadata.hook_name_out == want_out, "writes elsewhere",
                 f"{loaded.cfg.metadata.hook_name_out} vs {want_out}")  # fmt: skip
@@ -215,12 +225,19 @@ def check_train(h: Host) -> str:
             close(loaded(x), layer(x), 1e-6, f"{name} loaded vs trained output")
             with mxd_lens.splice(model, loaded):
                 spliced = model(h.tokens)
-            close(spliced, replaced(model, h.tokens, {block: layer}), 1e-5, "spliced loaded layer vs hooks")
+            close(
+                spliced,
+                replaced(model, h.tokens, {block: layer}, first),
+                1e-5,
+                "spliced loaded layer vs hooks",
+            )
     return "✓"
 
 
 def check_evaluate(h: Host) -> str:
-    """evaluate's CE (clean, spliced, zero-ablated), KL and FVU equal hand-written TL hook computations."""
+    """evaluate's CE (clean, spliced, zero-ablated), KL and FVU equal hand-written TL hook computations;
+    one layer trained without position 0 (seqpos_slice [1, None]) keeps the MLP there in its splice and
+    its block's zero-ablation, and every FVU then counts positions 1.. (where every layer replaces)."""
     from mxd_lens import MxD, TopKTranscoder
     from mxd_lens.evaluation import evaluate
 
@@ -228,19 +245,23 @@ def check_evaluate(h: Host) -> str:
     data = [h.tokens, h.tokens.flip(1)]
     layers = {"tc": randomise(TopKTranscoder.for_model(model, 1, d_sae=24, k=4), seed=4),
               "mxd": randomise(MxD.for_model(model, 2, d_sae=12, k=3), seed=5, scale=0.2)}  # fmt: skip
+    layers["mxd"].cfg.metadata.seqpos_slice = [1, None]
     rows = evaluate(model, layers, data, skip_first_position=False, progress=False, jacobian_tokens=0)
     rows = {r["name"]: r for r in rows}
-    blocks = {"tc": 1, "mxd": 2}
+    blocks, firsts = {"tc": 1, "mxd": 2}, {"tc": 0, "mxd": 1}
+    require(rows["mxd"]["spliced_from"] == 1 and rows["tc"]["spliced_from"] == 0, "spliced_from",
+            str({n: r["spliced_from"] for n, r in rows.items()}))  # fmt: skip
     with torch.no_grad():
         clean = [model(t) for t in data]
         for name, layer in layers.items():
-            b = blocks[name]
-            spliced = [replaced(model, t, {b: layer}) for t in data]
-            zero = [model.run_with_hooks(t, fwd_hooks=[(f"blocks.{b}.hook_mlp_out", lambda v, hook: v * 0)])
+            b, first = blocks[name], firsts[name]
+            spliced = [replaced(model, t, {b: layer}, first) for t in data]
+            keep = torch.arange(data[0].shape[1])[:, None] < first  # positions where the MLP's output stays
+            zero = [model.run_with_hooks(t, fwd_hooks=[(f"blocks.{b}.hook_mlp_out", lambda v, hook, keep=keep: v * keep)])
                     for t in data]  # fmt: skip
             io = [mlp_io(model, b, t) for t in data]
-            y = torch.cat([o[1].reshape(-1, model.cfg.d_model) for o in io]).double()
-            y_hat = torch.cat([layer(o[0]).reshape(-1, model.cfg.d_model) for o in io]).double()
+            y = torch.cat([o[1][:, 1:].reshape(-1, model.cfg.d_model) for o in io]).double()
+            y_hat = torch.cat([layer(o[0])[:, 1:].reshape(-1, model.cfg.d_model) for o in io]).double()
             want = {
                 "ce_clean": sum(ce(c, t) for c, t in zip(clean, data, strict=True)) / 2,
                 "ce_spliced": sum(ce(s, t) for s, t in zip(spliced, data, strict=True)) / 2,

@@ -177,3 +177,76 @@ def test_a_model_under_another_name_fits_when_the_recorded_shape_matches():
     wider.cfg.n_layers += 1  # another architecture, same MLP widths
     with pytest.raises(ValueError, match="recorded shape .* differs"):
         hooks.check_fits(wider, layer, 1)
+
+
+def _spliced_by_hand(model, tokens, block, layer, first):
+    """Logits with blocks[block].mlp's output replaced by layer(its input) from row position ``first`` on
+    (the MLP's own output before it), with a plain forward hook on the MLP module."""
+
+    def hook(module, args, out):
+        new = layer(args[0]).to(out.dtype).clone()
+        new[:, :first] = out[:, :first]
+        return new
+
+    handle = model.blocks[block].mlp.register_forward_hook(hook)
+    try:
+        with torch.no_grad():
+            return model(tokens)
+    finally:
+        handle.remove()
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "gated", "parallel"])
+@pytest.mark.parametrize("layer_type", [MxD, TopKSkipTranscoder])
+def test_a_layer_trained_without_position_0_leaves_the_mlp_there(kind, layer_type, tokens):
+    """The trainer leaves out position 0 (BOS) and records seqpos_slice [1, None]; a splice then writes the
+    layer's output from position 1 on and the MLP's own at position 0, as a plain hook does."""
+    model = make_model(kind)
+    layer = randomise(layer_type.for_model(model, 1, d_sae=24, k=4), scale=0.5)
+    layer.cfg.metadata.seqpos_slice = [1, None]
+    with torch.no_grad(), mxd_lens.splice(model, layer):
+        got = model(tokens)
+    torch.testing.assert_close(got, _spliced_by_hand(model, tokens, 1, layer, first=1), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got[:, 0], model(tokens)[:, 0], rtol=1e-5, atol=1e-5)  # position 0 is clean
+    everywhere = _spliced_by_hand(model, tokens, 1, layer, first=0)
+    assert (got - everywhere)[:, 1:].abs().max() > 1e-3  # position 0 reaches later ones through attention
+    layer.cfg.metadata.seqpos_slice = [None]  # every position
+    with torch.no_grad(), mxd_lens.splice(model, layer):
+        torch.testing.assert_close(model(tokens), everywhere, rtol=1e-5, atol=1e-5)
+
+
+def test_a_key_value_cache_splices_the_same_row_positions(tokens):
+    """model.generate runs each new token alone after a cached prefix: position 0 of that forward is not
+    the row's, so the splice must still write the layer's output there."""
+    from transformer_lens.cache.key_value_cache import TransformerLensKeyValueCache
+
+    model = make_model("gated")
+    layer = randomise(MxD.for_model(model, 1, d_sae=24, k=4), scale=0.5)
+    layer.cfg.metadata.seqpos_slice = [1, None]
+    full = _spliced_by_hand(model, tokens, 1, layer, first=1)
+    with torch.no_grad(), mxd_lens.splice(model, layer):
+        cache = TransformerLensKeyValueCache.init_cache(model.cfg, model.cfg.device, tokens.shape[0])
+        one = torch.ones_like(tokens[:, :1])  # the tiny model has no tokenizer to build the mask
+        head = model(tokens[:, :1], past_kv_cache=cache, attention_mask=one)
+        rest = [
+            model(tokens[:, t : t + 1], past_kv_cache=cache, attention_mask=one)
+            for t in range(1, tokens.shape[1])
+        ]
+    torch.testing.assert_close(torch.cat([head, *rest], dim=1), full, rtol=1e-4, atol=1e-4)
+
+
+def test_first_position_reads_seqpos_slice_or_the_training_record():
+    model = make_model("gpt2")
+    layer = MxD.for_model(model, 1, d_sae=24, k=4)
+    assert hooks.first_position(layer) == 0  # untrained, nothing recorded: every position
+    layer.cfg.metadata.training = {"model": {"kind": "default", "prepend_bos": True}}
+    assert hooks.first_position(layer) == 1  # saved before seqpos_slice: the trainer left out BOS then too
+    layer.cfg.metadata.training = {"model": {"kind": "default", "prepend_bos": False}}
+    assert hooks.first_position(layer) == 0
+    for seqpos, first in (([None], 0), ([1, None], 1), ((3,), 3), ([2, None, 1], 2)):
+        layer.cfg.metadata.seqpos_slice = seqpos
+        assert hooks.first_position(layer) == first
+    for bad in ([5, -5], [1, None, 2], [-1, None], "1:", [1.5]):
+        layer.cfg.metadata.seqpos_slice = bad
+        with pytest.raises(ValueError, match="seqpos_slice"):
+            hooks.first_position(layer)

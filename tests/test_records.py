@@ -64,7 +64,7 @@ def test_text_and_evaluation_records_read_what_cfg_json_stores():
     text = {"text": "mxd_lens:resources/a.txt", "split": "eval", "eval_fraction": 0.05, "split_seed": 0,
             "digests": {"a.txt": "sha256:00"}}  # fmt: skip
     stored = {"metrics": {"kl": 0.01}, "text": text, "tokens": 640, "context_size": 128, "skip_positions": 0,
-              "model": {"kind": "hub", "name": "m"}, "mxd_lens_version": "0.2.0"}  # fmt: skip
+              "spliced_from": 1, "model": {"kind": "hub", "name": "m"}, "mxd_lens_version": "0.2.0"}  # fmt: skip
     record = EvaluationRecord.from_dict(stored)
     assert record.to_dict() == stored and record.text == TextRecord.from_dict(text)
     assert record.text.file_name == "a.txt" and "eval side" in record.text.describe()
@@ -82,4 +82,10 @@ def test_text_and_evaluation_records_read_what_cfg_json_stores():
     assert EvaluationRecord.all_of({}) == EvaluationRecord.all_of(None) == []
     older = {k: v for k, v in stored.items() if k != "skip_positions"}  # written before the option
     assert EvaluationRecord.from_dict(older).key() == record.key()
+    # one spliced at BOS too (before spliced_from existed) is the measurement a new evaluation replaces
+    at_bos = {k: v for k, v in stored.items() if k != "spliced_from"}
+    assert (
+        EvaluationRecord.from_dict(at_bos).key() == record.key()
+        and EvaluationRecord.from_dict(at_bos).spliced_from is None
+    )
     assert not TextRecord() and not TrainingRecord().text and TrainingRecord(data=text).text.split == "eval"

@@ -44,6 +44,12 @@ def eval_result(rows: list[dict[str, Any]], recorded: bool) -> StudyResult:
     text = NOTE + (
         f"; the first {skipped} positions of every row left out of every metric" if skipped else ""
     )
+    starts = sorted({int(v) for v in table["spliced_from"]}) if "spliced_from" in table else []
+    if any(starts):
+        text += (
+            f"; each layer replaces the MLP from position {'/'.join(map(str, starts))} on (spliced_from: the "
+            "first position it trained on; the MLP's own output before it, BOS)"
+        )
     text += "\n\nrecorded in each layer's cfg.json (metadata.evaluations) and eval.json" if recorded else ""
     return StudyResult(name="eval", table=table, columns=columns(*SHOWN, se=("delta_ce", "kl"), dead_fraction=f"silent on {tokens:,} tokens"),
                        text=text, value=rows)  # fmt: skip
@@ -229,6 +235,7 @@ def record_evaluation(path: Path, row: dict[str, Any], text: dict[str, Any], con
         "tokens": row["tokens"],
         "context_size": context_size,
         "skip_positions": skip_positions,
+        "spliced_from": row.get("spliced_from", 0),
         "model": model_source(model),
         "mxd_lens_version": __version__,
     }

@@ -113,6 +113,8 @@ def run_frontier(
         "model": model.cfg.model_name,
         **{k: getattr(config, k) for k in ("eval_text", "eval_tokens", "context_size")},
         "eval_batch_rows": config.eval_rows_per_forward,  # its recorded name: earlier evaluations still match
+        # rows spliced at every position, BOS too (before hooks.first_position), are evaluated again
+        "splice": "trained positions",
         **(
             {"ood_text": config.ood_text, "ood_eval_tokens": config.ood_eval_tokens}
             if config.ood_text
