@@ -1,7 +1,9 @@
-"""Is Gemma block 3's huge KL the BOS position? Each layer of a Gemma run group replaces the MLP through a
-plain forward hook on model.blocks[B].mlp at every position (as `evaluate` splices) and at every position
-but 0 (the MLP's own output kept at BOS, the one position the layers never trained on), on BBC News; CE
-and KL summed by hand (none of mxd_lens's splicing or scoring).
+"""Is Gemma block 3's huge KL the BOS position? Each layer of a run group (any model: the one its training
+record names) replaces the MLP through a plain forward hook on model.blocks[B].mlp at every position (as
+`evaluate` spliced before 2026-12-07) and at every position but 0 (the MLP's own output kept at BOS, the one
+position the layers never trained on), on BBC News; CE and KL summed by hand (none of mxd_lens's splicing or
+scoring). Last, `evaluate`'s own KL and ΔCE on the same batches: since splices keep the MLP at BOS
+(`mxd_lens.hooks.first_position`) they must equal the keep_bos rows.
 
     HF_HUB_OFFLINE=1 .venv/bin/python analyses/protocol/check_bos.py results/gemma-G3/runs/L3.seed0/final 2048
 """
@@ -15,8 +17,9 @@ import torch.nn.functional as F
 from sae_lens import SAE
 
 import mxd_lens  # noqa: F401
-from mxd_lens.evaluation import held_out_batches
+from mxd_lens.evaluation import evaluate, held_out_batches
 from mxd_lens.models import load_model
+from mxd_lens.studies.eval.run import recorded_model
 
 folder = Path(sys.argv[1])
 ntok = int(sys.argv[2])
@@ -24,7 +27,8 @@ layers = {
     p.name: SAE.load_from_disk(p).eval() for p in sorted(folder.iterdir()) if (p / "cfg.json").is_file()
 }
 block = next(iter(layers.values())).cfg.metadata.hook_layer
-model = load_model("results/gguf/gemma-3-270m-q4_k_m.gguf")
+first = next(iter(layers.values()))
+model = load_model(recorded_model(first.cfg.metadata.training["model"], folder / next(iter(layers))))
 batches = held_out_batches(
     model, os.environ.get("DATA", "../shared/data") + "/probing/topic_bbc_news.jsonl.xz", "all", ntok, 128, 8
 )
@@ -66,3 +70,6 @@ print(
 )
 for (n, mode), (ce, kl) in sums.items():
     print(f"  {n:45s} {mode:9s} ΔCE {(ce - clean_sum) / count:+.4f}  KL {kl / count:.4f}", flush=True)
+for row in evaluate(model, layers, batches, baselines=False, progress=False, jacobian_tokens=0):
+    print(f"  {row['name']:45s} evaluate  ΔCE {row['delta_ce']:+.4f}  KL {row['kl']:.4f}  (spliced from "
+          f"position {row['spliced_from']})", flush=True)
