@@ -71,5 +71,8 @@ print(
 for (n, mode), (ce, kl) in sums.items():
     print(f"  {n:45s} {mode:9s} ΔCE {(ce - clean_sum) / count:+.4f}  KL {kl / count:.4f}", flush=True)
 for row in evaluate(model, layers, batches, baselines=False, progress=False, jacobian_tokens=0):
-    print(f"  {row['name']:45s} evaluate  ΔCE {row['delta_ce']:+.4f}  KL {row['kl']:.4f}  (spliced from "
-          f"position {row['spliced_from']})", flush=True)
+    print(
+        f"  {row['name']:45s} evaluate  ΔCE {row['delta_ce']:+.4f}  KL {row['kl']:.4f}  (spliced from "
+        f"position {row['spliced_from']})",
+        flush=True,
+    )
