@@ -46,8 +46,6 @@ from sae_lens import SAE
 from sae_lens.saes.transcoder import SkipTranscoder, Transcoder
 from transformer_lens.hook_points import HookPoint
 
-from mxd_lens.hooks import first_position
-
 SUPPORTED_READS = ("blocks.L.mlp.hook_in", "blocks.L.ln2.hook_normalized", "blocks.L.hook_mlp_in")
 _SUPPORTED = (
     f"mxd-lens splices layers that replace an MLP: they read its input ({', '.join(SUPPORTED_READS)}) "
@@ -59,6 +57,11 @@ class ForeignLayer:
     """A SAELens ``SAE`` from elsewhere as ``mxd_lens.hooks.splice`` and ``evaluate`` use it (the
     interface of ``mxd_lens.hooks.replacement``). Raises a ValueError naming the hooks when its cfg
     does not say it replaces one MLP (see the module docstring)."""
+
+    first: int = 0
+    """The first position a splice replaces: ``mxd_lens.hooks.replacement`` sets it from the layer's
+    ``metadata.seqpos_slice`` (``mxd_lens.records.first_position``; 0 when it records none). This module
+    imports nothing of the project, so the lowest ones can use it."""
 
     def __init__(self, sae: Any, reads_at: tuple[int, str] | None, writes_at: tuple[int, str] | None):
         """``reads_at``, ``writes_at``: where its ``cfg.metadata.hook_name`` and ``hook_name_out`` say it
@@ -121,12 +124,6 @@ class ForeignLayer:
                 "instead, set layer.cfg.metadata.hf_hook_name = None",
                 stacklevel=3,
             )
-
-    @property
-    def first(self) -> int:
-        """The first position a splice replaces (``mxd_lens.hooks.first_position``: its
-        ``metadata.seqpos_slice``, 0 when it records none)."""
-        return first_position(self.layer)
 
     @property
     def default_name(self) -> str:

@@ -60,7 +60,7 @@ from mxd_lens.hook_names import (
     parse_in_hook,
     parse_out_hook,
 )
-from mxd_lens.records import TrainingRecord, check_dense
+from mxd_lens.records import check_dense, first_position
 
 if TYPE_CHECKING:
     from sae_lens import SAE
@@ -217,39 +217,6 @@ def check_model_name(model: HookedTransformer, rep: Any) -> None:
     )
 
 
-def first_position(layer: Any) -> int:
-    """The first position of each row where a splice writes ``layer``'s output (before it, the MLP's own
-    output stays): the start of ``cfg.metadata.seqpos_slice``, SAELens's record of the positions a layer
-    trained on (mxd-lens's trainer writes ``[1, None]`` when it left out position 0, BOS); for a layer
-    that records none, 1 if its mxd-lens training record says the model prepended BOS (a layer saved
-    before the trainer recorded ``seqpos_slice``: it left out position 0 then too), else 0. A slice with
-    an end or a step is refused: a splice replaces every position from its first one on."""
-    metadata = getattr(getattr(layer, "cfg", None), "metadata", None)
-    seqpos = getattr(metadata, "seqpos_slice", None) if metadata is not None else None
-    if seqpos is None:
-        model = TrainingRecord.of(layer).model_source if metadata is not None else {}
-        return int(bool(model.get("prepend_bos")))
-    parts = list(seqpos) if isinstance(seqpos, (list, tuple)) else None
-    ok = (
-        parts is not None
-        and 1 <= len(parts) <= 3
-        and all(p is None or (isinstance(p, int) and not isinstance(p, bool)) for p in parts)
-    )
-    start = parts[0] if ok and parts[0] is not None else 0
-    if (
-        not ok
-        or start < 0
-        or (len(parts) > 1 and parts[1] is not None)
-        or (len(parts) > 2 and parts[2] not in (None, 1))
-    ):
-        raise ValueError(
-            f"{type(layer).__name__} has metadata.seqpos_slice={seqpos!r}: a splice replaces every position "
-            "from a first one on, so give [start, None] (start >= 0; [None] for every position): set "
-            "layer.cfg.metadata.seqpos_slice"
-        )
-    return start
-
-
 def keep_first(original: torch.Tensor, new: torch.Tensor, keep: int) -> torch.Tensor:
     """``new`` [..., positions, d] with its first ``keep`` positions taken from ``original``."""
     if keep <= 0:
@@ -276,7 +243,9 @@ def replacement(layer: Any) -> Any:
 
     metadata = getattr(getattr(layer, "cfg", None), "metadata", None)
     reads_at = parse_in_hook(getattr(metadata, "hook_name", None))
-    return ForeignLayer(layer, reads_at, parse_out_hook(getattr(metadata, "hook_name_out", None)))
+    foreign = ForeignLayer(layer, reads_at, parse_out_hook(getattr(metadata, "hook_name_out", None)))
+    foreign.first = first_position(layer)
+    return foreign
 
 
 class OurLayer:

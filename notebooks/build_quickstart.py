@@ -131,7 +131,9 @@ trained[name].save_model(work / name)
 loaded = SAE.load_from_disk(work / name)  # our class, because mxd_lens is imported
 print(type(loaded).__name__, "from", work / name)
 
-model.add_sae(loaded)  # replaces hook_mlp_out, as mxd_lens.splice does
+# replaces hook_mlp_out, as mxd_lens.splice does; the layer trained without position 0 (BOS), so
+# keep the MLP there as the splice does (SAELens splices every position unless told which to skip)
+model.add_sae(loaded, exclude_special_tokens=[model.tokenizer.bos_token_id])
 with_sae = model(tokens, return_type="loss").item()
 model.reset_saes()
 with mxd_lens.splice(model, loaded):

@@ -117,6 +117,27 @@ def test_splice_equals_a_hand_written_replacement(tokens, kind, arch):
     assert not any(hp._forward_hooks for hp in model.hook_dict.values())
 
 
+def test_a_foreign_layer_starting_later_keeps_the_mlp_before_its_first_position(tokens):
+    """A SAELens layer whose metadata.seqpos_slice starts at 4 (Gemma Scope 2's transcoders skipped 4
+    positions) splices from position 4 on, the MLP's own output before: a hand-written hook says so."""
+    model = make_model("gated")
+    sae = foreign(model, "skip_transcoder")
+    sae.cfg.metadata.seqpos_slice = (4, None)
+    assert hooks.replacement(sae).first == 4
+
+    def from_4(s, x, out):
+        new = s(x).clone()
+        new[:, :4] = out[:, :4]
+        return new
+
+    with mxd_lens.splice(model, sae):
+        spliced = model(tokens)
+    assert torch.equal(spliced, run_by_hand(model, {1: sae}, tokens, from_4))
+    assert (spliced - run_by_hand(model, {1: sae}, tokens)).abs().max() > 1e-3
+    del sae.cfg.metadata.seqpos_slice  # none recorded (and no mxd-lens training record): every position
+    assert hooks.replacement(sae).first == 0
+
+
 @pytest.mark.parametrize("kind", ["gpt2", "parallel"])
 def test_a_layer_reading_hook_mlp_in_is_given_the_residual_before_ln2(tokens, kind):
     model = make_model(kind)
