@@ -19,6 +19,11 @@ against circuit-tracer 0.5.0, ``circuit_tracer/utils/hf_utils.py`` and ``utils/c
   default ``--model`` of ``circuit-tracer attribute``); ``activation: topk`` and ``k``. Ours besides,
   which the loader ignores: ``exported_by: mxd-lens`` and ``blocks``.
 
+Position 0: circuit-tracer's attribution zeroes every feature there (``encode_sparse(...,
+zero_positions=slice(0, 1))`` in ``transcoder/single_layer_transcoder.py``), so the MLP's output at BOS
+becomes its error node, as ``mxd_lens.splice`` keeps the MLP there for a layer trained without it
+(``mxd_lens.hooks.first_position``); a layer that trained on position 0 loses its features there.
+
 ``scan`` identifies the transcoders an attribution graph was made with: circuit-tracer copies it
 into ``ReplacementModel.scan`` and every graph's metadata, and its graph viewer looks the features'
 examples up under it. A local set keeps ours (``mxd-lens-<model>-<architecture>-k<K>-w<width>``);
