@@ -1,7 +1,9 @@
 """KL against training tokens, from the evaluations budget.sh's `curve` step records in every checkpoint's
-layers (issue 43 part 2). Reads results/protocol-budget/runs/L15.seed0/checkpoints/step_*/*/cfg.json
-(metadata.evaluations: one record per text) and writes DEST/curve.csv (one row per step, method and text)
-and DEST/curve.png (KL on each text against training tokens, one line per method).
+layers and `train` in the final ones (issue 43 part 2). Reads RUN/checkpoints/step_*/*/cfg.json and
+RUN/final/*/cfg.json (metadata.evaluations: one record per text; the step from metadata.training) and writes
+DEST/curve.csv (one row per step, method and text) and DEST/curve.png (KL on each text against training
+tokens, one line per method). Checkpoints before the rate's decay (the last 20% of the steps) are
+mid-schedule: a point there is the run on its way, not a run of that length.
 
     .venv/bin/python analyses/protocol/budget_curve.py docs/results/protocol/budget
 """
@@ -27,15 +29,21 @@ RUN = Path("results/protocol-budget/runs/L15.seed0")
 
 def rows(run: Path) -> list[dict]:
     out = []
-    for cfg in sorted(run.glob("checkpoints/step_*/*/cfg.json")):
-        step = int(cfg.parent.parent.name.removeprefix("step_"))
+    seen = set()
+    # the final layers first: a checkpoint at the last step holds the same layer, evaluated by `curve` or not
+    for cfg in sorted(run.glob("final/*/cfg.json")) + sorted(run.glob("checkpoints/step_*/*/cfg.json")):
         metadata = json.loads(cfg.read_text())["metadata"]
-        learner = (metadata.get("training") or {}).get("learner") or {}
+        training = metadata.get("training") or {}
+        learner, step = training.get("learner") or {}, training.get("steps")
+        if step is None or (step, cfg.parent.name) in seen:  # a last checkpoint is also the final layer
+            continue
+        seen.add((step, cfg.parent.name))
         for record in EvaluationRecord.all_of(metadata):
             text = Path(record.text.text or "?").name.split(".")[0]
             out.append({
                 **record.metrics, "eval_tokens": record.metrics.get("tokens"), "step": step,
-                "tokens": step * 512, "arch": format_arch(learner["arch"], learner.get("options") or {}),
+                "tokens": training.get("tokens", step * 512),
+                "arch": format_arch(learner["arch"], learner.get("options") or {}),
                 "text": f"{text} ({record.text.split})",
             })  # fmt: skip
     return out
