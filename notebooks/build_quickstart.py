@@ -12,10 +12,10 @@ CELLS = [
         "md",
         """# mxd-lens quickstart
 
-Every main verb on a tiny random model, in about a minute on a CPU: build a Mixture of Decoders (MxD)
-and a TopK transcoder for one MLP, splice them in, encode/decode, train a few steps, evaluate, save and
-load (SAELens format), attach with `add_sae`, steer, and probe a toy task. The real model (SmolLM2-135M,
-offline) is `notebooks/smollm2_mxd.ipynb`.""",
+The Python API on a tiny random model (the command-line verbs: docs/studies.md), in about a minute on a
+CPU: build a Mixture of Decoders (MxD) and a TopK transcoder for one MLP, splice them in, encode/decode,
+train a few steps, evaluate, save and load (SAELens format), attach with `add_sae`, steer, and probe a toy
+task. The real model (SmolLM2-135M, offline) is `notebooks/smollm2_mxd.ipynb`.""",
     ),
     (
         "code",
@@ -34,7 +34,10 @@ import mxd_lens  # registers MxD and our transcoders with SAELens
 torch.manual_seed(0)
 work = Path(tempfile.mkdtemp())""",
     ),
-    ("md", "A tiny gated (SwiGLU-like) model with a word-level tokenizer, and a text of random sentences."),
+    (
+        "md",
+        """A tiny gated (SwiGLU-like) model with a word-level tokenizer, and a text of random sentences.""",
+    ),
     (
         "code",
         """words = "the cat sat on a mat while dogs ran over green hills and birds sang songs of rain".split()
@@ -44,10 +47,23 @@ docs = [" ".join(rng.choice(words) for _ in range(rng.randint(5, 40))) for _ in 
 vocab = {"<bos>": 0, "<eos>": 1, "<unk>": 2, **{w: i + 3 for i, w in enumerate(words)}}
 backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
 backend.pre_tokenizer = pre_tokenizers.Whitespace()
-PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<bos>", eos_token="<eos>", unk_token="<unk>").save_pretrained(work / "tok")
+PreTrainedTokenizerFast(
+    tokenizer_object=backend, bos_token="<bos>", eos_token="<eos>", unk_token="<unk>"
+).save_pretrained(work / "tok")
 
-cfg = HookedTransformerConfig(n_layers=2, d_model=64, n_ctx=32, d_head=16, n_heads=4, d_mlp=256, d_vocab=len(vocab),
-                              act_fn="silu", gated_mlp=True, normalization_type="RMS", model_name="tiny")
+cfg = HookedTransformerConfig(
+    n_layers=2,
+    d_model=64,
+    n_ctx=32,
+    d_head=16,
+    n_heads=4,
+    d_mlp=256,
+    d_vocab=len(vocab),
+    act_fn="silu",
+    gated_mlp=True,
+    normalization_type="RMS",
+    model_name="tiny",
+)
 model = HookedSAETransformer(cfg)  # a HookedTransformer that also takes SAELens's add_sae
 model.set_tokenizer(AutoTokenizer.from_pretrained(work / "tok"))
 tokens = model.to_tokens(docs[:4])[:, :32]""",
@@ -66,8 +82,10 @@ MxD: spliced in, the loss does not change.""",
 n = mxd_lens.match_experts(width, cfg.d_model, cfg.d_model, cfg.d_mlp, glu=True)
 mxd = mxd_lens.MxD.for_model(model, 1, d_sae=n, k=4)
 tc = mxd_lens.TopKTranscoder.for_model(model, 1, d_sae=width, k=4)
-print(f"MxD: {n} experts, {sum(p.numel() for p in mxd.parameters()):,} params; "
-      f"transcoder: {width} latents, {sum(p.numel() for p in tc.parameters()):,} params")
+print(
+    f"MxD: {n} experts, {sum(p.numel() for p in mxd.parameters()):,} params; "
+    f"transcoder: {width} latents, {sum(p.numel() for p in tc.parameters()):,} params"
+)
 
 clean = model(tokens, return_type="loss").item()
 with mxd_lens.splice(model, mxd_lens.MxD.from_mlp(model, 1)):
@@ -77,7 +95,9 @@ assert abs(exact - clean) < 1e-4""",
     ),
     (
         "md",
-        "## Encode and decode\n\nThe codes are the K active experts' coefficients; `decode(encode(x))` is the layer's output.",
+        """## Encode and decode
+
+The codes are the K active experts' coefficients; `decode(encode(x))` is the layer's output.""",
     ),
     (
         "code",
@@ -102,8 +122,12 @@ from mxd_lens.layers.learners import LearnerSpec
 from mxd_lens.training import TrainConfig, Trainer
 
 stream = ModelActivations.from_text(model, [1], str(work / "corpus.txt"), context_size=16, rows_per_shard=32)
-trainer = Trainer([mxd, LearnerSpec("transcoder", 1, k=4)], stream,
-                  TrainConfig(total_tokens=64 * 120, batch_tokens=64, lr=3e-3), progress=False)
+trainer = Trainer(
+    [mxd, LearnerSpec("transcoder", 1, k=4)],
+    stream,
+    TrainConfig(total_tokens=64 * 120, batch_tokens=64, lr=3e-3),
+    progress=False,
+)
 metrics = trainer.fit()
 trained = trainer.trained_layers()  # at raw scale, with the training record in cfg.metadata.training
 for name, m in metrics.items():
@@ -111,7 +135,9 @@ for name, m in metrics.items():
     ),
     (
         "md",
-        "## Evaluate on held-out text\n\nEach layer spliced alone: ΔCE (lower is better), KL, FVU, L0, dead units, CE recovered.",
+        """## Evaluate on held-out text
+
+Each layer spliced alone: ΔCE (lower is better), KL, FVU, L0, dead units, CE recovered.""",
     ),
     (
         "code",
@@ -123,7 +149,10 @@ batches = held_out_batches(model, str(work / "corpus.txt"), "eval", eval_tokens=
 rows = evaluate(model, trained, batches, progress=False)
 pd.DataFrame(rows)[["name", "delta_ce", "kl", "fvu", "l0", "dead_fraction", "ce_recovered_zero"]]""",
     ),
-    ("md", "## Save and load (SAELens format), and attach the SAELens way"),
+    (
+        "md",
+        """## Save and load (SAELens format), and attach the SAELens way""",
+    ),
     (
         "code",
         """name = next(n for n in trained if ".mxd." in n)
@@ -143,7 +172,9 @@ assert abs(with_sae - spliced) < 1e-5""",
     ),
     (
         "md",
-        "## Steer\n\nAdd α to one expert's coefficient at every position; with the error term on, α = 0 is exactly the clean model. (A random model writes nonsense either way: this shows the mechanics.)",
+        """## Steer
+
+Add α to one expert's coefficient at every position; with the error term on, α = 0 is exactly the clean model. (A random model writes nonsense either way: this shows the mechanics.)""",
     ),
     (
         "code",
@@ -157,7 +188,9 @@ for alpha in (0.0, 20.0):
     ),
     (
         "md",
-        "## Probe a toy task\n\nTexts that mention *cat* vs *dogs*: which k features separate them (features ranked on the training split only).",
+        """## Probe a toy task
+
+Texts that mention *cat* vs *dogs*: which k features separate them (features ranked on the training split only).""",
     ),
     (
         "code",
@@ -182,13 +215,18 @@ probing.summarize(table)[["k=1", "k=2", "k=all"]].round(3)""",
 ]
 
 
-def write_notebook(cells: list[tuple[str, str]], path: Path) -> None:
-    """A notebook of markdown ("md") and code cells, no outputs, the python3 kernel."""
+def notebook(cells: list[tuple[str, str]]) -> nbformat.NotebookNode:
+    """A notebook of markdown ("md") and code cells, no outputs, the python3 kernel; cell ids by position,
+    so that writing it again changes nothing (tests/test_notebooks.py compares it with the committed one)."""
     nb = nbformat.v4.new_notebook()
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
-    nb.cells = [nbformat.v4.new_markdown_cell(src) if kind == "md" else nbformat.v4.new_code_cell(src)
-                for kind, src in cells]  # fmt: skip
-    nbformat.write(nb, path)
+    nb.cells = [nbformat.v4.new_markdown_cell(src, id=f"cell-{i}") if kind == "md"
+                else nbformat.v4.new_code_cell(src, id=f"cell-{i}") for i, (kind, src) in enumerate(cells)]  # fmt: skip
+    return nb
+
+
+def write_notebook(cells: list[tuple[str, str]], path: Path) -> None:
+    nbformat.write(notebook(cells), path)
 
 
 def main() -> None:

@@ -29,8 +29,8 @@ import mxd_lens
 from mxd_lens.activations import CachedActivations, ModelActivations, write_cache
 from mxd_lens.data import default_text
 from mxd_lens.evaluation import evaluate, held_out_batches
-from mxd_lens.models import load_model
 from mxd_lens.layers.learners import LearnerSpec
+from mxd_lens.models import load_model
 from mxd_lens.training import TrainConfig, Trainer
 
 work = Path("../results/notebook-smollm2")
@@ -38,21 +38,33 @@ model = load_model()  # SmolLM2-135M-Instruct, offline
 block, k = 15, 32
 print(model.cfg.model_name, model.cfg.n_layers, "blocks, d_model", model.cfg.d_model)""",
     ),
-    ("md", "## Cache a little, train from the cache for several epochs"),
+    (
+        "md",
+        """## Cache a little, train from the cache for several epochs""",
+    ),
     (
         "code",
         """text = str(default_text())  # the bundled Austen novels; training reads the 'train' side of its split
 stream = ModelActivations.from_text(model, [block], text, context_size=128, rows_per_shard=64)
-cache = write_cache(stream, work / "cache", n_shards=8, dtype="float16", progress=False)  # 8 x 64 x 127 tokens
+cache = write_cache(
+    stream, work / "cache", n_shards=8, dtype="float16", progress=False
+)  # 8 x 64 x 127 tokens
 source = CachedActivations(cache)
-trainer = Trainer([LearnerSpec("mxd", block, k), LearnerSpec("transcoder", block, k)], source,
-                  TrainConfig(epochs=3, batch_tokens=256), work / "run", progress=False)
+trainer = Trainer(
+    [LearnerSpec("mxd", block, k), LearnerSpec("transcoder", block, k)],
+    source,
+    TrainConfig(epochs=3, batch_tokens=256),
+    work / "run",
+    progress=False,
+)
 metrics = trainer.fit()
 pd.DataFrame(metrics).T[["fvu", "l0", "dead_fraction"]]""",
     ),
     (
         "md",
-        "## Splice on held-out text\n\nΔCE is the spliced model's loss minus the clean one's (lower is better).",
+        """## Splice on held-out text
+
+ΔCE is the spliced model's loss minus the clean one's (lower is better).""",
     ),
     (
         "code",
@@ -61,7 +73,10 @@ batches = held_out_batches(model, text, "eval", eval_tokens=4096, context_size=1
 rows = evaluate(model, layers, batches, progress=False)
 pd.DataFrame(rows)[["name", "params", "delta_ce", "kl", "fvu", "l0", "dead_fraction", "ce_recovered_zero"]]""",
     ),
-    ("md", "## The frontier study (docs/results.md): ΔCE, KL and FVU against K"),
+    (
+        "md",
+        """## The frontier study (docs/results.md): ΔCE, KL and FVU against K""",
+    ),
     (
         "code",
         """from mxd_lens.studies.frontier.run import load_results, plot_frontier, summarize
@@ -76,7 +91,10 @@ if (study / "frontier.json").is_file():
 else:
     print(f"{study} not found: run the study (command in docs/results.md), then this notebook again")""",
     ),
-    ("md", "## One expert: its top-activating contexts, and steering with it"),
+    (
+        "md",
+        """## One expert: its top-activating contexts, and steering with it""",
+    ),
     (
         "code",
         """from IPython.display import HTML
@@ -84,7 +102,9 @@ else:
 from mxd_lens.analysis.inspect import text_batches, to_html, top_activations
 
 mxd = layers[next(n for n in layers if ".mxd." in n)]
-used = top_activations(model, mxd, text_batches(model, None, 8192, 128), range(mxd.cfg.d_sae), n=1, progress=False)
+used = top_activations(
+    model, mxd, text_batches(model, None, 8192, 128), range(mxd.cfg.d_sae), n=1, progress=False
+)
 expert = int(used.sort_values("activation", ascending=False).iloc[0].feature)  # the most strongly firing
 contexts = top_activations(model, mxd, text_batches(model, None, 32768, 128), [expert], n=8, progress=False)
 HTML(to_html(contexts, f"MxD block {block}, expert {expert}"))""",

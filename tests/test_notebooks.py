@@ -29,3 +29,20 @@ def test_smollm2_notebook_is_committed_executed():
     assert not [o for o in outputs if o.output_type == "error"]
     assert any("image/png" in o.get("data", {}) for o in outputs), "the frontier plot did not render"
     assert all(cell.outputs for cell in code[1:]), "a code cell has no output"
+
+
+def test_notebooks_are_what_their_build_scripts_write(monkeypatch):
+    """Each committed notebook's cells are exactly its build script's (so regenerating one loses no edit
+    made to the other): the quickstart byte for byte, the SmolLM2 notebook up to its recorded outputs."""
+    import importlib
+
+    monkeypatch.syspath_prepend(str(ROOT / "notebooks"))
+    build = importlib.import_module("build_quickstart")
+    for script, name in (("build_quickstart", "quickstart.ipynb"), ("build_smollm2", "smollm2_mxd.ipynb")):
+        built = build.notebook(importlib.import_module(script).CELLS)
+        committed = nbformat.read(ROOT / "notebooks" / name, as_version=4)
+        assert [(c.cell_type, c.source) for c in committed.cells] == [
+            (c.cell_type, c.source) for c in built.cells
+        ], f"notebooks/{name} differs from what notebooks/{script}.py writes: edit the script and rerun it"
+    quickstart = ROOT / "notebooks" / "quickstart.ipynb"
+    assert nbformat.writes(build.notebook(build.CELLS)) + "\n" == quickstart.read_text()
