@@ -5,16 +5,20 @@
 # cache of block 15 (64 shards), checkpoints every 1,024 steps, all kept. Then every checkpoint is
 # evaluated on BBC News (out of domain; the final layers on the held-out mix too, by `train`), and KL
 # against training tokens is drawn.
-# One step per call, each resumable (rerun the same command):
-#   bash analyses/protocol/budget.sh cache   # the cache (results/cache-mix7-l15-2m): ~95 min on 2 cores
-#                                            # (study.sh's cache, 552,704 tokens to block 25, took 40)
-#   bash analyses/protocol/budget.sh train   # ~2.5 h on 2 cores: resumable, but only within a session here
-#   bash analyses/protocol/budget.sh curve   # each checkpoint on BBC (~5 min each) -> the table and plot
-# Results: docs/results/protocol/budget/ (keep.sh budget commits the frontier files as they come).
-# The whole 4x run (~5 h) does not fit one 3-hour session of this machine, whose results/ is wiped between
-# sessions. SCALE=1x runs the protocol's own budget (2,048 steps over the 524,288-token block-15 cache, 1.9
-# epochs: study.sh's rows) with a checkpoint every 256 steps: KL against training tokens up to the budget the
-# headline uses, ~2 h at 1 thread beside another job (results/protocol-budget-1x, docs/results/protocol/budget-1x).
+# One step per call, each resumable (rerun the same command) within a session; results/ does not outlive one:
+#   bash analyses/protocol/budget.sh cache   # the cache (results/cache-mix7-l15-2m): 64 shards at ~1.4 min
+#                                            # a shard (1 thread beside another job; SCALE=1x's 17 took 24 min)
+#   bash analyses/protocol/budget.sh train   # 8,192 steps: ~2.6 h for the five at 1 thread beside a job
+#                                            # (SCALE=1x: 2,048 steps in ~40 min)
+#   bash analyses/protocol/budget.sh curve   # each checkpoint on BBC -> DEST/curve.csv, curve.png
+# The five together (~4.5 h) do not fit one 3-hour session of this machine. SET splits them: SET=core trains
+# the recommended MxD and both transcoders (3/5 of the training; with the cache, one session), SET=rest the
+# paper's and plain gates (another session, the cache rebuilt). Each set has its own run and results folder
+# (results/protocol-budget-core -> docs/results/protocol/budget-core; `keep.sh budget-core` commits its rows);
+# the curve of one set joins the other's committed curve.csv when it is there.
+# SCALE=1x runs the protocol's own budget (2,048 steps over the 524,288-token block-15 cache, 1.9 epochs:
+# study.sh's rows) with a checkpoint every 256 steps: KL against training tokens up to the budget the headline
+# uses (results/protocol-budget-1x, docs/results/protocol/budget-1x).
 # CURVE_STEPS="256 512 1024" evaluates only those checkpoints (default: all); the final layers are evaluated
 # by `train` on both texts and join the curve at the last step.
 set -euo pipefail
@@ -28,9 +32,14 @@ case ${SCALE:=4x} in
   1x) TOKENS=524288 EVERY=256 CACHE=${CACHE:-results/cache-mix7-l15} OUT=results/protocol-budget-1x ;;
   *) echo "SCALE=$SCALE: give 4x or 1x" >&2; exit 2 ;;
 esac
-DEST=docs/results/protocol/${OUT#results/protocol-}
 STD=mxd:gate=topk,gate_standardize=0.1
-ARCHS=(mxd mxd:gate=topk $STD transcoder skip_transcoder)
+case ${SET:=all} in
+  all) ARCHS=(mxd mxd:gate=topk $STD transcoder skip_transcoder) ;;
+  core) ARCHS=($STD transcoder skip_transcoder); OUT=$OUT-core ;;
+  rest) ARCHS=(mxd mxd:gate=topk); OUT=$OUT-rest ;;
+  *) echo "SET=$SET: give all, core or rest" >&2; exit 2 ;;
+esac
+DEST=docs/results/protocol/${OUT#results/protocol-}
 COMMON=(--progress false --text results/data/mix7.txt.xz --eval-fraction 0.05 --train-tokens $TOKENS
         --cache-dtype float16 --cache "$CACHE" --blocks 15 --ks 32)
 case $STEP in
@@ -48,6 +57,7 @@ case $STEP in
       .venv/bin/mxd-lens eval $ckpt --text $DATA/probing/topic_bbc_news.jsonl.xz --split all --eval-tokens 32768
       touch $ckpt/evaluated
     done
-    .venv/bin/python analyses/protocol/budget_curve.py $DEST --run $OUT/runs/L15.seed0 ;;
+    OTHER=(); case $SET in core) OTHER=(${DEST%-core}-rest/curve.csv) ;; rest) OTHER=(${DEST%-rest}-core/curve.csv) ;; esac
+    .venv/bin/python analyses/protocol/budget_curve.py $DEST --run $OUT/runs/L15.seed0 --also "${OTHER[@]}" ;;
   *) echo "unknown step $STEP: give cache, train or curve" >&2; exit 2 ;;
 esac

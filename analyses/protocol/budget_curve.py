@@ -41,7 +41,7 @@ def rows(run: Path) -> list[dict]:
         for record in EvaluationRecord.all_of(metadata):
             text = Path(record.text.text or "?").name.split(".")[0]
             out.append({
-                **record.metrics, "eval_tokens": record.metrics.get("tokens"), "step": step,
+                **record.metrics, "eval_tokens": record.tokens, "step": step,
                 "tokens": training.get("tokens", step * 512),
                 "arch": format_arch(learner["arch"], learner.get("options") or {}),
                 "text": f"{text} ({record.text.split})",
@@ -53,25 +53,33 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("dest", type=Path)
     parser.add_argument("--run", type=Path, default=RUN)
+    parser.add_argument("--also", type=Path, nargs="*", default=[],
+                        help="curve.csv files of other runs (another SET) to draw beside; absent ones are skipped")  # fmt: skip
     args = parser.parse_args(argv)
     table = pd.DataFrame(rows(args.run))
     if table.empty:
         sys.exit(f"no evaluated checkpoints under {args.run}: run `bash analyses/protocol/budget.sh curve`")
     table = table.sort_values(["text", "arch", "step"])
     args.dest.mkdir(parents=True, exist_ok=True)
-    table.to_csv(args.dest / "curve.csv", index=False)
+    table.to_csv(args.dest / "curve.csv", index=False)  # this run's rows only
+    others = [pd.read_csv(path) for path in args.also if path.is_file()]
+    table = pd.concat([table, *others], ignore_index=True).sort_values(["text", "arch", "step"])
     texts = sorted(table["text"].unique())
     fig, axes = plt.subplots(1, len(texts), figsize=(5.5 * len(texts), 4), squeeze=False)
     for ax, text in zip(axes[0], texts, strict=True):
         for arch, part in table[table["text"] == text].groupby("arch"):
             ax.plot(part["tokens"] / 1e6, part["kl"], marker="o", label=arch_label(arch))
-        ax.set(xlabel="training tokens (millions)", ylabel="KL (nats/token)", title=text, yscale="log")
+        ax.set(xlabel="training tokens (millions)", ylabel="KL (nats/token)", title=text)
+        ax.set(xscale="log", yscale="log")
         ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(args.dest / "curve.png", dpi=110)
     pivot = table.pivot_table(index=["text", "step"], columns="arch", values="kl")
     print(pivot.rename(columns=arch_label).round(4).to_markdown())
+    if "skip_transcoder" in pivot:  # does the lead grow or shrink: each KL over the skip transcoder's
+        print("\nKL / the skip transcoder's KL, same text and step:\n")
+        print(pivot.div(pivot["skip_transcoder"], axis=0).rename(columns=arch_label).round(3).to_markdown())
     return 0
 
 
