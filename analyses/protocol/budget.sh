@@ -12,7 +12,8 @@
 #                                            # a shard (1 thread beside another job; SCALE=1x's 17 took 24 min)
 #   bash analyses/protocol/budget.sh train   # 8,192 steps: ~2.6 h for the five at 1 thread beside a job
 #                                            # (SCALE=1x: 2,048 steps in ~40 min)
-#   bash analyses/protocol/budget.sh curve   # each checkpoint on BBC -> DEST/curve.csv, curve.png
+#   bash analyses/protocol/budget.sh curve   # each checkpoint on BBC -> DEST/curve.csv, curve.png, curve.md
+#                                            # (KL tables; the 1x run's curve beside the 4x's)
 # The five together (~4.5 h) do not fit one 3-hour session of this machine. SET splits them: SET=core trains
 # the headline's pair, the recommended MxD and the skip transcoder (2/5 of the training; with the cache, one
 # session), SET=rest the paper's and plain gates and the TopK transcoder (another session, the cache rebuilt). Each set has its own run and results folder
@@ -63,6 +64,8 @@ case $STEP in
       touch $ckpt/evaluated
     done
     OTHER=(); case $SET in core) OTHER=(${DEST%-core}-rest/curve.csv) ;; rest) OTHER=(${DEST%-rest}-core/curve.csv) ;; esac
-    .venv/bin/python analyses/protocol/budget_curve.py $DEST --run $OUT/runs/L15.seed0 --also "${OTHER[@]}" ;;
+    [ $SCALE = 4x ] && OTHER+=(docs/results/protocol/budget-1x/curve.csv)  # the protocol's budget beside
+    .venv/bin/python analyses/protocol/budget_curve.py $DEST --run $OUT/runs/L15.seed0 --also "${OTHER[@]}" \
+        | tee $DEST/curve.md ;;
   *) echo "unknown step $STEP: give cache, train or curve" >&2; exit 2 ;;
 esac

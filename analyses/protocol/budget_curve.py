@@ -2,7 +2,8 @@
 layers and `train` in the final ones (issue 43 part 2). Reads RUN/checkpoints/step_*/*/cfg.json and
 RUN/final/*/cfg.json (metadata.evaluations: one record per text; the step from metadata.training) and writes
 DEST/curve.csv (one row per step, method and text) and DEST/curve.png (KL on each text against training
-tokens, one line per method). Checkpoints before the rate's decay (the last 20% of the steps) are
+tokens, one line per method and run: --also joins other runs' curve.csv, the 1x run's beside the 4x).
+Checkpoints before the rate's decay (the last 20% of the steps) are
 mid-schedule: a point there is the run on its way, not a run of that length.
 
     .venv/bin/python analyses/protocol/budget_curve.py docs/results/protocol/budget
@@ -16,6 +17,7 @@ import sys
 from pathlib import Path
 
 import matplotlib
+import matplotlib.ticker
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
@@ -49,6 +51,35 @@ def rows(run: Path) -> list[dict]:
     return out
 
 
+def plot(table: pd.DataFrame, path: Path) -> None:
+    """KL against training tokens on each text measured at more than one step (a text evaluated only on the
+    final layers has one point a method: it is in the printed table, not drawn). Colour: the method; line
+    style: the run's length (solid the longest), so a short run's end and a long run's middle, at different
+    points of their schedules, are not joined."""
+    steps = table.groupby("text")["step"].nunique()
+    texts = sorted(steps[steps > 1].index) or sorted(steps.index)
+    runs = sorted(table["run_steps"].unique(), reverse=True)
+    colours = {arch: f"C{i}" for i, arch in enumerate(sorted(table["arch"].unique()))}
+    fig, axes = plt.subplots(1, len(texts), figsize=(6.5 * len(texts), 4.5), squeeze=False)
+    for ax, text in zip(axes[0], texts, strict=True):
+        for (arch, run_steps), part in table[table["text"] == text].groupby(["arch", "run_steps"]):
+            style = ("-", "--", ":", "-.")[runs.index(run_steps) % 4]
+            ax.plot(part["tokens"] / 1e6, part["kl"], style, marker="o", color=colours[arch],
+                    label=f"{arch_label(arch)}, {run_steps:,} steps")  # fmt: skip
+        ax.set(xlabel="training tokens (millions)", ylabel="KL (nats/token)", title=f"KL on {text}")
+        ax.set(xscale="log", yscale="log")
+        ticks = sorted(table.loc[table["text"] == text, "tokens"].unique() / 1e6)
+        ax.set_xticks(ticks, [f"{t:.3g}" for t in ticks])
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+        ax.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+        ax.yaxis.set_minor_formatter(matplotlib.ticker.FormatStrFormatter("%.3g"))
+        ax.grid(alpha=0.3, which="both")
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("dest", type=Path)
@@ -56,29 +87,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--also", type=Path, nargs="*", default=[],
                         help="curve.csv files of other runs (another SET) to draw beside; absent ones are skipped")  # fmt: skip
     args = parser.parse_args(argv)
-    table = pd.DataFrame(rows(args.run))
+    # results/ gone with the machine: draw the committed rows again
+    if not args.run.is_dir() and (args.dest / "curve.csv").is_file():
+        print(f"{args.run} is not here: drawing {args.dest / 'curve.csv'} again", file=sys.stderr)
+        table = pd.read_csv(args.dest / "curve.csv")
+    else:
+        table = pd.DataFrame(rows(args.run))
     if table.empty:
         sys.exit(f"no evaluated checkpoints under {args.run}: run `bash analyses/protocol/budget.sh curve`")
+    if "run_steps" not in table:
+        table["run_steps"] = table["step"].max()  # the run's length: its schedule (a 1x and a 4x run differ)
     table = table.sort_values(["text", "arch", "step"])
     args.dest.mkdir(parents=True, exist_ok=True)
     table.to_csv(args.dest / "curve.csv", index=False)  # this run's rows only
     others = [pd.read_csv(path) for path in args.also if path.is_file()]
-    table = pd.concat([table, *others], ignore_index=True).sort_values(["text", "arch", "step"])
-    texts = sorted(table["text"].unique())
-    fig, axes = plt.subplots(1, len(texts), figsize=(5.5 * len(texts), 4), squeeze=False)
-    for ax, text in zip(axes[0], texts, strict=True):
-        for arch, part in table[table["text"] == text].groupby("arch"):
-            ax.plot(part["tokens"] / 1e6, part["kl"], marker="o", label=arch_label(arch))
-        ax.set(xlabel="training tokens (millions)", ylabel="KL (nats/token)", title=text)
-        ax.set(xscale="log", yscale="log")
-        ax.grid(alpha=0.3)
-    axes[0][0].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(args.dest / "curve.png", dpi=110)
-    pivot = table.pivot_table(index=["text", "step"], columns="arch", values="kl")
+    for other in others:  # a curve.csv written before the column: its own last step
+        if "run_steps" not in other:
+            other["run_steps"] = other["step"].max()
+    table = pd.concat([table, *others], ignore_index=True).sort_values(["text", "arch", "run_steps", "step"])
+    plot(table, args.dest / "curve.png")
+    pivot = table.pivot_table(index=["text", "run_steps", "step"], columns="arch", values="kl")
     print(pivot.rename(columns=arch_label).round(4).to_markdown())
     if "skip_transcoder" in pivot:  # does the lead grow or shrink: each KL over the skip transcoder's
-        print("\nKL / the skip transcoder's KL, same text and step:\n")
+        print("\nKL / the skip transcoder's KL, same text, run and step:\n")
         print(pivot.div(pivot["skip_transcoder"], axis=0).rename(columns=arch_label).round(3).to_markdown())
     return 0
 
