@@ -27,15 +27,7 @@ sweep_rates() {  # "arch=lr" for each arch of ARCHS at its best rate in block $1
   local csv=results/gemma-sweep-l$1/sweep.csv
   [ -f $csv ] || csv=docs/results/protocol/gemma/sweep-l$1/sweep.csv
   [ -f $csv ] || { echo "no sweep for block $1: run 'gemma.sh sweep$1' first, or set ARCH_LR" >&2; return 1; }
-  .venv/bin/python - "$csv" "${ARCHS[@]}" <<'PY'
-import sys, pandas as pd
-table, archs = pd.read_csv(sys.argv[1]), sys.argv[2:]
-best = table[table.best_lr.astype(str) == "True"].set_index("arch").lr
-missing = [a for a in archs if a not in best.index]
-if missing:
-    sys.exit(f"{sys.argv[1]} has no best rate for {missing}: rerun the sweep or set ARCH_LR")
-print(" ".join(f"{a}={best[a]:g}" for a in archs))
-PY
+  .venv/bin/python analyses/protocol/sweep.py --rates-of "$csv" --archs "${ARCHS[@]}"
 }
 COMMON=(--progress false --model "$GGUF" --text results/data/mix7.txt.xz --eval-fraction 0.05
         --train-tokens 524288 --cache-dtype float16 --cache "$CACHE" --ks 32)

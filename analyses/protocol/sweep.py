@@ -24,6 +24,10 @@ the cache of those blocks; sweep_depth.sh runs both): --block, --lrs, --archs (e
         --block 5 --lrs 1e-3 2e-3 4e-3 8e-3 --archs mxd mxd:gate=topk mxd:gate=topk,gate_standardize=0.1 \
         transcoder skip_transcoder --extra mxd:gate=topk,gate_standardize=0.03 \
         mxd:gate=topk,gate_standardize=0.3 --extra-lrs 2e-3 4e-3
+
+The rates a sweep chose, in the form `mxd-lens frontier --arch-lr` takes (gemma.sh reads them so):
+
+    .venv/bin/python analyses/protocol/sweep.py --rates-of results/gemma-sweep-l9/sweep.csv --archs mxd transcoder
 """
 
 from __future__ import annotations
@@ -48,6 +52,15 @@ SWEPT = ("mxd", "mxd:gate=topk", "transcoder", "skip_transcoder")
 EXTRA = ("mxd:balance_rate=0.001", "mxd:balance_rate=0.001,gate=topk", "mxd:d_hidden=384")
 
 
+def best_rates(path: str | Path, archs: list[str]) -> str:
+    """The `arch=lr ...` string --arch-lr takes: each of archs at the rate its sweep marked best_lr."""
+    table = pd.read_csv(path)
+    best = table[table["best_lr"].astype(str) == "True"].set_index("arch")["lr"]
+    if missing := [arch for arch in archs if arch not in best.index]:
+        sys.exit(f"{path} has no best rate for {missing}: rerun the sweep or set the rates by hand")
+    return " ".join(f"{arch}={best[arch]:g}" for arch in archs)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out", nargs="?", default="results/protocol-sweep")
@@ -57,7 +70,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--archs", nargs="+", default=list(SWEPT))
     parser.add_argument("--extra", nargs="*", default=list(EXTRA))
     parser.add_argument("--extra-lrs", type=float, nargs="+", default=[1e-3])
+    parser.add_argument("--rates-of", metavar="SWEEP_CSV",
+                        help="train nothing: print 'arch=lr' for each of --archs at its best rate in this "
+                             "sweep.csv (for --arch-lr)")  # fmt: skip
     args = parser.parse_args(argv)
+    if args.rates_of:
+        print(best_rates(args.rates_of, args.archs))
+        return 0
     out_dir, cache = Path(args.out), args.cache
     specs = [LearnerSpec(arch, args.block, K, lr=lr) for arch in args.archs for lr in args.lrs]
     specs += [LearnerSpec(arch, args.block, K, lr=lr) for arch in args.extra for lr in args.extra_lrs]
