@@ -16,7 +16,8 @@
 #                                            # (KL tables; the 1x run's curve beside the 4x's)
 # The five together (~4.5 h) do not fit one 3-hour session of this machine. SET splits them: SET=core trains
 # the headline's pair, the recommended MxD and the skip transcoder (2/5 of the training; with the cache, one
-# session), SET=rest the paper's and plain gates and the TopK transcoder (another session, the cache rebuilt). Each set has its own run and results folder
+# session), SET=rest the paper's and plain gates and the TopK transcoder (another session, the cache
+# rebuilt). Each set has its own run and results folder
 # (results/protocol-budget-core -> docs/results/protocol/budget-core; `keep.sh budget-core` commits its rows);
 # the curve of one set joins the other's committed curve.csv when it is there.
 # SCALE=1x runs the protocol's own budget (2,048 steps over the 524,288-token block-15 cache, 1.9 epochs:

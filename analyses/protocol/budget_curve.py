@@ -51,6 +51,13 @@ def rows(run: Path) -> list[dict]:
     return out
 
 
+def with_run_steps(table: pd.DataFrame) -> pd.DataFrame:
+    """The run's length (its schedule: a 1x and a 4x run differ) as a column, where a table lacks it."""
+    if "run_steps" not in table:
+        table["run_steps"] = table["step"].max()
+    return table
+
+
 def plot(table: pd.DataFrame, path: Path) -> None:
     """KL against training tokens on each text measured at more than one step (a text evaluated only on the
     final layers has one point a method: it is in the printed table, not drawn). Colour: the method; line
@@ -95,15 +102,11 @@ def main(argv: list[str] | None = None) -> int:
         table = pd.DataFrame(rows(args.run))
     if table.empty:
         sys.exit(f"no evaluated checkpoints under {args.run}: run `bash analyses/protocol/budget.sh curve`")
-    if "run_steps" not in table:
-        table["run_steps"] = table["step"].max()  # the run's length: its schedule (a 1x and a 4x run differ)
+    with_run_steps(table)
     table = table.sort_values(["text", "arch", "step"])
     args.dest.mkdir(parents=True, exist_ok=True)
     table.to_csv(args.dest / "curve.csv", index=False)  # this run's rows only
-    others = [pd.read_csv(path) for path in args.also if path.is_file()]
-    for other in others:  # a curve.csv written before the column: its own last step
-        if "run_steps" not in other:
-            other["run_steps"] = other["step"].max()
+    others = [with_run_steps(pd.read_csv(path)) for path in args.also if path.is_file()]
     table = pd.concat([table, *others], ignore_index=True).sort_values(["text", "arch", "run_steps", "step"])
     plot(table, args.dest / "curve.png")
     pivot = table.pivot_table(index=["text", "run_steps", "step"], columns="arch", values="kl")
