@@ -17,7 +17,7 @@
 # The five together (~4.5 h) do not fit one 3-hour session of this machine. SET splits them: SET=core trains
 # the headline's pair, the recommended MxD and the skip transcoder (2/5 of the training; with the cache, one
 # session), SET=rest the paper's and plain gates and the TopK transcoder (another session, the cache
-# rebuilt). Each set has its own run and results folder
+# rebuilt if results/ was lost; training 82 min for the three). Each set has its own run and results folder
 # (results/protocol-budget-core -> docs/results/protocol/budget-core; `keep.sh budget-core` commits its rows);
 # the curve of one set joins the other's committed curve.csv when it is there.
 # SCALE=1x runs the protocol's own budget (2,048 steps over the 524,288-token block-15 cache, 1.9 epochs:
