@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import os
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -136,6 +137,64 @@ def upgrade_stream_record(saved: dict[str, Any]) -> dict[str, Any]:
     if isinstance(name, str) and canonical_model_name(name) != name:
         saved = {**saved, "model_name": canonical_model_name(name)}
     return saved
+
+
+def read_manifest(folder: str | Path) -> dict[str, Any]:
+    """A cache's manifest.json, checked field by field (its stream with today's key names,
+    ``upgrade_stream_record``): a damaged or hand-edited manifest is a :class:`CacheError` naming the file
+    and the field, not a TypeError where a field is first used. A missing file: FileNotFoundError."""
+    from mxd_lens.fileio import read_json
+
+    path = Path(folder) / MANIFEST
+    try:
+        manifest = read_json(path)
+    except ValueError as err:
+        raise CacheError(f"{err}; {_MANIFEST_FIX.format(folder=Path(folder))}") from None
+    problem = _manifest_problem(manifest)
+    if problem is not None:
+        raise CacheError(f"{path}: {problem}; {_MANIFEST_FIX.format(folder=Path(folder))}")
+    return {**manifest, "stream": upgrade_stream_record(manifest["stream"])}
+
+
+_MANIFEST_FIX = "it was damaged or edited: restore it, or delete {folder} and cache again (mxd-lens cache)"
+
+
+def _manifest_problem(manifest: Any) -> str | None:
+    """What is wrong with a manifest's fields (None: nothing)."""
+    import builtins
+    import dataclasses
+
+    if not isinstance(manifest, dict):
+        return f"holds a JSON {type(manifest).__name__}, not an object"
+    if manifest.get("dtype") not in CACHE_DTYPES:
+        return f"dtype is {manifest.get('dtype')!r}, not one of {sorted(CACHE_DTYPES)}"
+    stream = manifest.get("stream")
+    if not isinstance(stream, dict):
+        return f"stream is {stream!r}, not an object"
+    stream = upgrade_stream_record(stream)
+    fields = {f.name: f for f in dataclasses.fields(StreamInfo)}
+    for name in stream.keys() - fields.keys():
+        return f"stream.{name} is not a field of a stream (written by a newer mxd-lens?)"
+    for name, f in fields.items():
+        if name not in stream:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                return f"stream.{name} is missing"
+            continue
+        value, kind = stream[name], getattr(builtins, str(f.type).split("[")[0])
+        if name == "blocks":
+            if not (isinstance(value, list) and value and all(_natural(b) for b in value)):
+                return f"stream.blocks is {value!r}, not a list of block numbers"
+        elif name in ("d_in", "d_out", "rows_per_shard", "context_size", "d_hidden"):
+            if not (_natural(value) and (value > 0 or name == "d_hidden")):
+                return f"stream.{name} is {value!r}, not a {'' if name == 'd_hidden' else 'positive '}integer"
+        elif not isinstance(value, kind):
+            return f"stream.{name} is {value!r}, not a {kind.__name__}"
+    return None
+
+
+def _natural(value: Any) -> bool:
+    """Whether ``value`` is an integer >= 0 (not a bool)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 Shard = dict[int, tuple[torch.Tensor, torch.Tensor]]  # block -> (x [n, d_in], y [n, d_out])
@@ -489,8 +548,7 @@ def write_cache(
             stale.unlink(missing_ok=True)
         manifest_path = path / MANIFEST
         if manifest_path.exists():
-            existing = json.loads(manifest_path.read_text())
-            existing["stream"] = upgrade_stream_record(existing["stream"])
+            existing = read_manifest(path)
             if "model" not in existing:  # written before the model's source was recorded: not a difference
                 manifest.pop("model")
             elif isinstance(manifest["model"], dict) and isinstance(existing["model"], dict):
@@ -653,7 +711,7 @@ class CachedActivations:
                 f"{self.path} is still being written by `mxd-lens cache` (pid {writer}, per {self.path / LOCK}): "
                 "it holds only the shards written so far; wait for it to finish, then start again"
             )
-        manifest = json.loads(manifest_path.read_text())
+        manifest = read_manifest(self.path)
         self.info = StreamInfo.from_dict(manifest["stream"])
         self.dtype = manifest["dtype"]
         self.text_info = manifest.get("text")  # where the cached text came from, for overlap checks
@@ -829,12 +887,29 @@ def open_stream(
 
     In the order of their cost: the cache is opened (and checked) before the model is loaded, once;
     the model is then held against the cache, or run over the text."""
+    from mxd_lens.config import parse_blocks
     from mxd_lens.models import load_host, model_identity
 
     if cache is None and not (config.model and config.text):
         raise ValueError("give --cache DIR, or --model and --text to stream from the model")
-    cached = CachedActivations(cache, blocks=blocks, shuffle=shuffle) if cache is not None else None
+    # ``blocks``: numbers, ranges or "all" (parse_blocks); "all" of a cache is every block it holds
+    cached = (
+        CachedActivations(cache, blocks=parse_blocks(blocks), shuffle=shuffle) if cache is not None else None
+    )
+    if cached is not None and config.dtype is not None and config.dtype != cached.dtype:
+        ran = (cached.model_source or {}).get("dtype", "float32")
+        logging.getLogger(__name__).warning(
+            "--dtype %s does not change the activations: the cache %s fixes their dtype (%s, from the model "
+            "run in %s)%s; to train on %s activations, write a cache with `mxd-lens cache --dtype %s`",
+            config.dtype, cache, cached.dtype, ran,
+            f"; --dtype only loads --model {config.model}" if config.model else "",
+            config.dtype, config.dtype,
+        )  # fmt: skip
     model = load_host(config) if config.model else None
+    if cached is None:
+        blocks = parse_blocks(blocks, model.cfg.n_layers)
+        if not blocks:
+            raise ValueError("a live stream needs blocks: numbers, ranges such as 0-29, or all (--blocks)")
     if cached is not None and model is not None:
         made_with, here = model_identity(cached.model_source or {}), model_identity(model)
         if "kind" in made_with and made_with != here:

@@ -21,6 +21,8 @@ from mxd_lens.config import (
     TrainRun,
 )
 
+CHECK_D_MODEL, CHECK_D_MLP = 64, 256  # the widths of `mxd-lens check`'s random models
+
 # Each subcommand's options are the fields of a dataclass (docstrings as help, defaults stated once):
 # `train` reads one nested run config (config.TrainRun); the other commands' own options are below.
 
@@ -35,6 +37,26 @@ class CheckCommand:
     """transcoder width multiplier; MxD is parameter-matched"""
     seed: int = 0
     """random seed"""
+
+    def __post_init__(self) -> None:
+        # refused here, before torch is imported, rather than by the first layer built from them
+        from mxd_lens.matching import match_experts
+
+        if self.m < 1:
+            raise ValueError(f"--m {self.m}: the width multiplier must be at least 1")
+        width = self.m * CHECK_D_MODEL
+        try:
+            smallest = min(
+                match_experts(width, CHECK_D_MODEL, CHECK_D_MODEL, CHECK_D_MLP, glu=glu)
+                for glu in (False, True)
+            )
+        except ValueError as err:
+            raise ValueError(f"--m {self.m}: {err}") from None
+        if not 0 < self.k <= min(width, smallest):
+            raise ValueError(
+                f"--k {self.k}: give 1 to {min(width, smallest)} (the fewest units of a layer checked: "
+                f"{smallest} MxD experts at m = {self.m})"
+            )
 
 
 @dataclass
@@ -68,7 +90,7 @@ def _mix(args: argparse.Namespace) -> int:
         from mxd_lens.models import hf_folder
 
         folder = hf_folder(DEFAULT_MODEL if mix.tokenizer == "default" else mix.tokenizer)
-        tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True, trust_remote_code=False)
 
         def measure(doc: str) -> int:
             return len(tokenizer(doc, add_special_tokens=False).input_ids)
@@ -113,8 +135,9 @@ class CpuOptions:
 
 def _info(args: argparse.Namespace) -> int:
     """What a saved layer is: architecture and sizes, the model and hooks, how it was trained (config,
-    data and its digests, tokens, epochs, library version) and, once evaluated, its evaluation."""
-    from mxd_lens.layers.io import check_layer_folder, describe_layer, layer_folders
+    data and its digests, tokens, epochs, library version) and, once evaluated, its evaluation; a folder
+    that would not load is flagged (exit 1). Read from the files (no torch) for mxd-lens's layers."""
+    from mxd_lens.saved_layers import describe_layer, layer_folders
 
     try:
         folders = layer_folders(args.layers.layers)
@@ -123,7 +146,7 @@ def _info(args: argparse.Namespace) -> int:
     damaged = 0
     for folder in folders:
         print(f"{folder}\n")
-        problem = check_layer_folder(folder)
+        problem = layer_folder_problem(folder)
         if problem is not None:
             damaged += 1
             print(f"PROBLEM: {problem}\n")
@@ -135,6 +158,19 @@ def _info(args: argparse.Namespace) -> int:
     if damaged:
         print(f"{damaged} of {len(folders)} layer folder(s) cannot be loaded (PROBLEM above)")
     return 1 if damaged else 0
+
+
+def layer_folder_problem(folder: Any) -> str | None:
+    """What stops ``folder`` from loading (None: nothing), on one line: a built-in layer's from its files
+    alone (no torch), any other by loading it."""
+    from mxd_lens.saved_layers import NotBuiltIn, check_folder
+
+    try:
+        return check_folder(folder)
+    except NotBuiltIn:
+        from mxd_lens.layers.io import check_layer_folder
+
+        return check_layer_folder(folder)
 
 
 def _threads(n: int) -> None:
@@ -181,6 +217,7 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
+PART_ENDED = 3  # exit status of `train --max-minutes` when the part ended before the run did
 _LINE: list[str] | None = None  # the command line main() was given (a script may call main itself)
 
 
@@ -212,11 +249,11 @@ def _check(args: argparse.Namespace) -> int:
     ):
         cfg = HookedTransformerConfig(
             n_layers=2,
-            d_model=64,
+            d_model=CHECK_D_MODEL,
             n_ctx=32,
             d_head=16,
             n_heads=4,
-            d_mlp=256,
+            d_mlp=CHECK_D_MLP,
             d_vocab=200,
             model_name=f"random-{kind}",
             **extra,
@@ -244,6 +281,10 @@ def _check(args: argparse.Namespace) -> int:
     for kind, name, params, clean, delta in rows:
         print(f"{kind:<10} {name:<42} {params:>9,} {clean:>9.4f} {delta:>+9.4f}")
     print("MxD.from_mlp must show ΔCE = 0: an MxD with one always-on expert is the MLP itself.")
+    print(
+        "The untrained layers' ΔCE is not a result: random layers on a random model scored on random tokens, "
+        "so it can fall either side of 0 (a random model predicts random tokens no better than chance)."
+    )
     return 0 if all(abs(delta) < 1e-4 for _, name, _, _, delta in rows if name == "MxD.from_mlp") else 1
 
 
@@ -252,6 +293,12 @@ def _cache(args: argparse.Namespace) -> int:
     against its recorded size and checksum, printing what is wrong (exit 1) or that it is whole."""
     import warnings
 
+    stream_config, args = args.stream, args.cache
+    if not args.verify and (args.blocks is None or args.shards is None):  # before torch is imported
+        raise SystemExit(
+            "mxd-lens cache: --blocks (the transformer blocks to cache) and --shards (how many shards of "
+            "--rows-per-shard rows to write) are required to write a cache"
+        )
     from mxd_lens.activations import (
         REPAIR,
         CachedActivations,
@@ -260,7 +307,6 @@ def _cache(args: argparse.Namespace) -> int:
         write_cache,
     )
 
-    stream_config, args = args.stream, args.cache
     if args.verify:
         try:
             with warnings.catch_warnings():
@@ -285,11 +331,6 @@ def _cache(args: argparse.Namespace) -> int:
                 f"checked; to record them, {REPAIR}"
             )
         return 0
-    if args.blocks is None or args.shards is None:
-        raise SystemExit(
-            "mxd-lens cache: --blocks (the transformer blocks to cache) and --shards (how many shards of "
-            "--rows-per-shard rows to write) are required to write a cache"
-        )
     from mxd_lens.models import load_host
 
     stream = ModelActivations.from_config(load_host(stream_config), args.blocks, stream_config)
@@ -308,14 +349,24 @@ def _cache(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from mxd_lens.loop import RunExists
+    from mxd_lens.loop import RunExists, RunPaused
     from mxd_lens.training import train
 
     try:
         metrics = train(args.run)
     except RunExists as err:
         raise SystemExit(f"mxd-lens train: {err}") from None
-    if metrics:  # rank 0 (the others return nothing)
+    except RunPaused as err:  # a part of a long run (--max-minutes): not an error, not finished either
+        print(f"mxd-lens train: {err}")
+        return PART_ENDED
+    if metrics and len(metrics) > 4:  # many learners: per architecture, each learner's in the run's logs
+        from mxd_lens.training import summary_by_arch
+
+        print(f"{len(metrics)} layers trained; per architecture, FVU median/worst, L0 median, dead worst:")
+        for line in summary_by_arch(metrics).split(" | "):
+            print(f"  {line}")
+        print(f"every layer's metrics: {args.run.out}/final/metrics.json; weights in {args.run.out}/final")
+    elif metrics:  # rank 0 (the others return nothing)
         for name, values in metrics.items():
             print(name, " ".join(f"{key}={value:.4g}" for key, value in values.items()))
         print(f"weights in {args.run.out}/final")

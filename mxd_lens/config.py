@@ -49,6 +49,41 @@ def optional_bool(text: str) -> bool | None:
     raise ValueError(f"{text!r}: give true or false")
 
 
+def parse_blocks(spec: object, n_layers: int | None = None) -> list[int] | None:
+    """Transformer blocks from a command line or a caller: numbers, inclusive ranges ``a-b``, or ``all``
+    (``--blocks all``, ``--blocks 0-11 20``; ints pass through). Checked against ``n_layers`` when given;
+    without it (a cache's blocks are not known yet) ``all`` is None, meaning every block there is.
+    Sorted, without repeats. None stays None."""
+    if spec is None:
+        return None
+    items = [spec] if isinstance(spec, (int, str)) else list(spec)
+    words = [w for item in items for w in (str(item).replace(",", " ").split())]
+    if not words:
+        raise ValueError("--blocks is empty: give block numbers, ranges such as 0-29, or all")
+    if "all" in (w.lower() for w in words):
+        if len(words) > 1:
+            raise ValueError(f"--blocks {' '.join(words)}: 'all' stands alone")
+        return None if n_layers is None else list(range(n_layers))
+    blocks: set[int] = set()
+    for word in words:
+        lo, dash, hi = word.partition("-")
+        try:
+            first, last = (int(lo), int(hi)) if dash else (int(word), int(word))
+        except ValueError:
+            raise ValueError(
+                f"--blocks {word!r}: give block numbers (3), inclusive ranges (0-29) or all"
+            ) from None
+        if first < 0 or last < first:
+            raise ValueError(f"--blocks {word!r}: a range runs from a block >= 0 up to one >= it")
+        blocks.update(range(first, last + 1))
+    if n_layers is not None and max(blocks) >= n_layers:
+        raise ValueError(
+            f"--blocks {' '.join(words)}: the model has blocks 0-{n_layers - 1} ({n_layers} in all); "
+            "--blocks all takes every one"
+        )
+    return sorted(blocks)
+
+
 def scheduled_lr(
     step: int,
     total_steps: int,
@@ -96,6 +131,9 @@ class HostOptions:
     eos_token: str | None = None
     """the tokenizer's EOS token, which also separates documents in the token stream (default: its own;
     <|endoftext|> for the default model), e.g. '<|im_end|>' for Qwen"""
+    no_load_check: bool = field(default=False, metadata={"custom_args": {
+        "action": "store_true", "nargs": None, "help": "load a .gguf file or folder without comparing its "
+        "conversion with transformers' model on a few tokens (load_model(check_load=False))"}})  # fmt: skip
 
     def __post_init__(self) -> None:
         if self.dtype is not None and self.dtype not in DTYPES:
@@ -376,17 +414,30 @@ class TrainRun:
     learners: LearnersConfig = field(default_factory=LearnersConfig)
     cache: str | None = None
     """activation cache folder from `mxd-lens cache` (no model needed)"""
-    blocks: list[int] | None = None
-    """transformer blocks to train at (all the cache holds when not given)"""
+    blocks: list[str] | None = None
+    """transformer blocks to train at: numbers, inclusive ranges (0-29) or all (default: all the cache
+    holds; required with a live stream)"""
     shuffle: Literal["global", "shard"] = "global"
     """with --cache: permute all of it every epoch (global), or read it shard by shard as a live stream"""
     resume: bool = False
-    """continue from OUT/checkpoints/latest"""
+    """continue from OUT/checkpoints/latest (on a folder with no checkpoint yet: start it)"""
+    max_minutes: float | None = None
+    """end this part of the run after about this many minutes, with a checkpoint; `--resume` continues it
+    (long runs in parts that each fit a session; exit status 3 says the run is not finished)"""
     device: str = "cpu"
     """device for the learners"""
     no_progress: bool = field(default=False, metadata={"custom_args": {
         "action": "store_true", "nargs": None, "help": "no progress bar (text log lines instead)"}})  # fmt: skip
 
     def __post_init__(self) -> None:
-        if self.cache is None and not (self.stream.model and self.stream.text):
-            raise ValueError("give --cache DIR, or --model and --text to stream from the model")
+        if self.cache is None and self.stream.text and not self.stream.model:
+            self.stream.model = DEFAULT_MODEL  # --text alone streams from the default model, as every verb
+        if self.cache is None and not self.stream.text:
+            raise ValueError(
+                "give --text to stream from the model (--model, default smollm2-135m), or --cache DIR"
+            )
+        if self.cache is None and self.blocks is None:
+            raise ValueError("a live stream needs --blocks: numbers, ranges such as 0-29, or all")
+        parse_blocks(self.blocks)  # the words checked now; the numbers against the model once it is loaded
+        if self.max_minutes is not None and not self.max_minutes > 0:
+            raise ValueError(f"max_minutes={self.max_minutes} (--max-minutes) must be > 0")

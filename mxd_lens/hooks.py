@@ -173,6 +173,35 @@ def writes_of(layer: MLPReplacement[Any] | SAE[Any]) -> Writes:
     return replacement(layer).writes
 
 
+def by_block(
+    layers: Mapping[str, Any] | Sequence[Any], model: Any = None, every: bool = False
+) -> dict[int, Any]:
+    """``layers`` keyed and sorted by the block each replaces; two for one block are refused, and with
+    ``every`` so is a model block without one (a replacement model replaces every MLP)."""
+    found: dict[int, list[str]] = {}
+    placed: dict[int, Any] = {}
+    items = layers.items() if isinstance(layers, Mapping) else enumerate(layers)
+    for name, layer in items:
+        block = block_of(layer)
+        found.setdefault(block, []).append(str(getattr(layer, "mxd_lens_folder", None) or name))
+        placed[block] = layer
+    doubled = {b: names for b, names in found.items() if len(names) > 1}
+    if doubled:
+        block, names = next(iter(doubled.items()))
+        raise ValueError(
+            f"{len(names)} layers replace block {block} ({', '.join(names)}): a replacement model has one "
+            "layer per block; give one folder per block (e.g. one run's final/ for one method)"
+        )
+    if every and model is not None:
+        missing = sorted(set(range(model.cfg.n_layers)) - set(placed))
+        if missing:
+            raise ValueError(
+                f"no layer for block(s) {missing} of the model's {model.cfg.n_layers}: a replacement model "
+                "replaces every MLP (train them with `mxd-lens train --blocks all`)"
+            )
+    return dict(sorted(placed.items()))
+
+
 def check_fits(model: HookedTransformer, layer: MLPReplacement[Any] | SAE[Any], block: int) -> None:
     """Raise unless ``layer`` was made for block ``block`` of a model like ``model``: same widths, and
     the same ``model_name`` when the layer records one (a layer from elsewhere: also a read site this

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 import warnings
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
@@ -39,6 +40,11 @@ class TrainingDiverged(FloatingPointError):
 
 class RunExists(ValueError):
     """``fit`` without ``resume`` on a folder that already holds a run: refused, nothing overwritten."""
+
+
+class RunPaused(Exception):
+    """A part of a run ended at its time limit (``time_limit_s``, ``--max-minutes``) with a checkpoint;
+    ``fit(resume=True)`` continues it. The message says where it stands."""
 
 
 class ResumeMismatch(ValueError):
@@ -102,6 +108,7 @@ class TrainingLoop:
     checkpoint_marker: str | None = None
     checkpoint_at_end: bool = False  # also with checkpoint_every=0 (when the checkpoint is the output)
     lock_label: str = "trainer"
+    time_limit_s: float | None = None  # end this call of fit with a checkpoint after this long (RunPaused)
 
     # -- what a trainer says ---------------------------------------------------------------------
     @property
@@ -161,6 +168,11 @@ class TrainingLoop:
         """Called once per ``fit``, after any resume and before the first step of this call (e.g. a
         warmup stage that a fresh run does at ``step == 0``)."""
 
+    def agree(self, flag: bool) -> bool:
+        """``flag`` as every process of the run sees it (data-parallel trainers: true if it is on any
+        rank), so that all ranks stop at the same step."""
+        return flag
+
     def should_stop(self) -> bool:
         """An early end before ``total_steps`` (e.g. a target accuracy reached)."""
         return False
@@ -217,6 +229,7 @@ class TrainingLoop:
             disable=not self.progress or bool(self.rank),
         )
         metrics: dict[str, Any] = {}
+        started, paused = time.monotonic(), None
         try:
             if self.step < self.total_steps and not self.should_stop():
                 for batch in self.batch_stream():
@@ -232,14 +245,31 @@ class TrainingLoop:
                         self._show(self.record(metrics), bar)
                         last = last or self.should_stop()  # a record may end the run (a target reached)
                     every = self.checkpoint_every
+                    out_of_time = (
+                        not last
+                        and self.time_limit_s is not None
+                        and self.agree(time.monotonic() - started >= self.time_limit_s)
+                    )
                     if self.out_dir is not None and (
-                        (every and self.step % every == 0) or (last and (every or self.checkpoint_at_end))
+                        (every and self.step % every == 0)
+                        or (last and (every or self.checkpoint_at_end))
+                        or out_of_time
                     ):
-                        self.save_checkpoint()
-                    if last:
+                        saved = self.save_checkpoint()
+                        if out_of_time:
+                            paused = saved
+                    if out_of_time:
+                        paused = paused or "not written: this trainer has no out_dir"
+                    if last or out_of_time:
                         break
         finally:
             bar.close()
+        if paused is not None:
+            minutes = (time.monotonic() - started) / 60
+            raise RunPaused(
+                f"this part ended after {minutes:.1f} min at step {self.step:,} of {self.total_steps:,} "
+                f"(checkpoint {paused}); run the same command with --resume to continue"
+            )
         if self.step < self.total_steps and not self.should_stop():
             saved = (
                 self.save_checkpoint()
@@ -259,8 +289,11 @@ class TrainingLoop:
         if self.rank:
             return
         text = self.summary(shown)
-        if self.progress:
+        if self.progress and len(text) <= 80:
             bar.set_postfix_str(text, refresh=False)
+        elif self.progress:  # too long for the bar's line: lines of their own above the bar
+            for line in _wrapped(f"step {self.step}/{self.total_steps} | {text}"):
+                bar.write(line, file=bar.fp)  # where the bar is (stderr), not into the command's output
         else:
             log.info(
                 "step %d/%d lr %.2e | %s",
@@ -380,6 +413,18 @@ class TrainingLoop:
                 raise ResumeMismatch(
                     f"{folder} {said} (checkpoint, asked): {diff}; ask for the same, or train into a new folder"
                 )
+
+
+def _wrapped(text: str, width: int = 160, sep: str = " | ") -> list[str]:
+    """``text`` cut at ``sep`` into lines of at most about ``width`` characters (continuations indented)."""
+    lines, line = [], ""
+    for part in text.split(sep):
+        if line and len(line) + len(sep) + len(part) > width:
+            lines.append(line)
+            line = "  " + part
+        else:
+            line = f"{line}{sep}{part}" if line else part
+    return [*lines, line]
 
 
 _MISMATCH = {

@@ -37,6 +37,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from statistics import median
 from typing import Any, Literal
 
 import torch
@@ -54,7 +55,7 @@ from mxd_lens.fileio import atomic_write_text
 from mxd_lens.firing import FiringTracker
 from mxd_lens.layers import MLPReplacement
 from mxd_lens.layers.learners import LearnerSpec, build_learners, check_archs, learner_specs
-from mxd_lens.loop import TrainingLoop
+from mxd_lens.loop import TrainingLoop, _wrapped
 from mxd_lens.records import TrainingRecord
 
 # Settings that may change between a checkpoint and its resumption without changing what is trained.
@@ -91,10 +92,11 @@ def train(run: TrainRun) -> dict[str, dict[str, float]]:
         dist.init_process_group("nccl" if run.device.startswith("cuda") else "gloo")
     try:
         source, model = open_stream(run.stream, run.cache, run.blocks, run.shuffle)
-        specs = learner_specs(run.learners, run.blocks or source.info.blocks)
+        specs = learner_specs(run.learners, source.blocks)
         trainer = Trainer(specs, source, run.train, run.out, model=model, progress=not run.no_progress,
                           device=run.device, data_info=source.text_info)  # fmt: skip
         trainer.run_record = asdict(run)
+        trainer.time_limit_s = None if run.max_minutes is None else run.max_minutes * 60
         return trainer.fit(resume=run.resume)
     finally:
         if started:
@@ -178,10 +180,82 @@ class Trainer(TrainingLoop):
     def lr_at(self, step: int) -> float:
         return self.config.lr_at(step, self.total_steps)
 
+    def load_checkpoint(self, path: str | Path | None = None) -> Path | None:
+        """The loop's (``TrainingLoop.load_checkpoint``); and where the folder holds no checkpoint yet (a
+        first part that ended before its first one), a resumed ``mxd-lens train`` is held against the run
+        its run.json records instead, so that other settings are refused as a checkpoint's would be."""
+        folder = super().load_checkpoint(path)
+        if folder is None and path is None:
+            self._check_recorded_run()
+        return folder
+
+    def _check_recorded_run(self) -> None:
+        """Raise ``ResumeMismatch`` naming each setting (of the recipe, but those free to change on a
+        resume, and of the learners) in which ``run_record`` differs from the run ``out_dir/run.json``
+        records; fields one of them lacks (added since) are not differences."""
+        from mxd_lens.fileio import read_json
+        from mxd_lens.loop import ResumeMismatch, differences
+
+        recorded_file = None if self.out_dir is None else self.out_dir / "run.json"
+        if self.run_record is None or recorded_file is None or not recorded_file.is_file():
+            return
+        recorded, asked = read_json(recorded_file), json.loads(json.dumps(self.run_record))
+        if not isinstance(recorded, dict):
+            raise ValueError(f"{recorded_file} holds a JSON {type(recorded).__name__}, not a run's record")
+        diff = {}
+        for part, free in (("train", _FREE), ("learners", ())):
+            there, here = recorded.get(part), asked.get(part)
+            if isinstance(there, dict) and isinstance(here, dict):
+                shared = there.keys() & here.keys()
+                found = differences({k: there[k] for k in shared}, {k: here[k] for k in shared}, free)
+                diff.update({(k if part == "train" else f"{part}.{k}"): v for k, v in found.items()})
+        if not diff:
+            return
+        final = self.out_dir / "final"
+        if final.is_dir() and any(final.iterdir()):  # finished without checkpoints (checkpoint_every 0)
+            how = "it finished without checkpoints: to train with these, give another output folder"
+        else:
+            how = (
+                "it has no checkpoint yet, so nothing trained is lost: ask for the recorded settings to "
+                "resume it, or leave out --resume to start it again with these"
+            )
+        raise ResumeMismatch(
+            f"{recorded_file} records a run with other settings (recorded, asked): {diff}; {how}"
+        )
+
     def before_steps(self) -> None:
-        """The run's whole configuration, once the folder is ours (locked, and a fresh run's found empty)."""
-        if self.run_record is not None and self.out_dir is not None and self.rank == 0:
+        """The run's whole configuration, once the folder is ours (locked, and a fresh run's found empty);
+        the metrics log cut back to the step the run goes on from (a resumed run logs those steps again)."""
+        if self.out_dir is None or self.rank:
+            return
+        if self.run_record is not None:
             atomic_write_text(self.out_dir / "run.json", json.dumps(self.run_record, indent=1) + "\n")
+        log_file = self.out_dir / METRICS_LOG
+        if log_file.is_file():
+            kept = [
+                line
+                for line in log_file.read_text().splitlines(keepends=True)
+                if _logged_at(line) <= self.step
+            ]
+            atomic_write_text(log_file, "".join(kept))
+        if len(self.learners) > _ONE_LINE_EACH:
+            blocks = len({learner.block for learner in self.learners.values()})
+            log.info(
+                "%d learners at %d blocks: every %d steps, per kind: FVU median/worst, L0 median, dead worst",
+                *(len(self.learners), blocks, self.log_every),
+            )
+            log.info("every learner's metrics: %s", log_file)
+            labels = {label: kind for kind, label in _kinds(list(self.learners)).items()}
+            legend = "summary labels: " + "; ".join(f"{label} = {kind}" for label, kind in labels.items())
+            for line in _wrapped(legend, sep="; "):
+                log.info("%s", line)
+
+    def agree(self, flag: bool) -> bool:
+        if self.world == 1:
+            return flag
+        value = torch.tensor([float(flag)])
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        return bool(value.item())
 
     def fit(self, resume: bool = False) -> dict[str, dict[str, float]]:
         """Train to the token budget; with ``resume`` continue from the latest intact checkpoint in
@@ -230,6 +304,15 @@ class Trainer(TrainingLoop):
     def record(self, metrics: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
         for name, values in metrics.items():
             self.learners[name].history.append({"step": self.step, "tokens": self.tokens_seen, **values})
+        if self.rank == 0 and self.out_dir is not None:  # one JSON line per log step, every learner
+            line = {
+                "step": self.step,
+                "tokens": self.tokens_seen,
+                "lr": self.lr_at(self.step - 1),
+                "learners": metrics,
+            }
+            with open(self.out_dir / METRICS_LOG, "a") as f:
+                f.write(json.dumps(line) + "\n")
         if self.rank == 0 and self.config.wandb_project:
             if self._wandb_run is None:
                 import wandb
@@ -242,6 +325,8 @@ class Trainer(TrainingLoop):
         return metrics
 
     def summary(self, last: dict[str, dict[str, float]]) -> str:
+        if len(last) > _ONE_LINE_EACH:
+            return summary_by_arch(last)
         return " | ".join(
             f"{name}: fvu {m['fvu']:.3f} l0 {m['l0']:.0f} dead {m['dead_fraction']:.2f}"
             + (f" auxk {m['auxk']:.3f}" if "auxk" in m else "")
@@ -523,6 +608,55 @@ class TrainerState:
         self.trainer.step, self.trainer.tokens_seen = state["step"], state["tokens_seen"]
         self.trainer.scales = {int(k): tuple(v) for k, v in state["scales"].items()}
         self.trainer.loss_scale = {int(k): v for k, v in state["loss_scale"].items()}
+
+
+METRICS_LOG = "metrics.jsonl"  # in the run folder: one line per log step, every learner's metrics
+_ONE_LINE_EACH = 4  # up to this many learners the progress line names each; beyond, one summary per arch
+
+
+def summary_by_arch(metrics: Mapping[str, Mapping[str, float]]) -> str:
+    """One short line for any number of learners (``{name: metrics}``): per kind of learner (its blocks
+    together), FVU median and worst, L0 median, the largest dead fraction."""
+    kinds = _kinds(list(metrics))
+    groups: dict[str, list[Mapping[str, float]]] = {}
+    for name, m in metrics.items():
+        groups.setdefault(kinds[_kind(name)], []).append(m)
+    return " | ".join(
+        f"{label} fvu {_num(median([m['fvu'] for m in ms]))}/{_num(max(m['fvu'] for m in ms))} "
+        f"l0 {median([m['l0'] for m in ms]):.0f} dead {_num(max(m.get('dead_fraction', 0.0) for m in ms))}"
+        for label, ms in groups.items()
+    )
+
+
+def _kind(name: str) -> str:
+    """A learner's name without its block: ``L15.mxd-gate=topk.k32.m8`` -> ``mxd-gate=topk.k32.m8``."""
+    block, _, rest = name.partition(".")
+    return rest if block[:1] == "L" and block[1:].isdigit() else name
+
+
+def _kinds(names: Sequence[str]) -> dict[str, str]:
+    """Each kind of learner's short label: its architecture key (``mxd``, ``skip_transcoder``), numbered
+    where kinds share one (``mxd1``, ``mxd2``: other options, K or width)."""
+    kinds = list(dict.fromkeys(_kind(name) for name in names))
+    keys = {kind: kind.split(".")[0].split("-")[0] for kind in kinds}
+    labels = {}
+    for kind in kinds:
+        same = [other for other in kinds if keys[other] == keys[kind]]
+        labels[kind] = keys[kind] if len(same) == 1 else f"{keys[kind]}{same.index(kind) + 1}"
+    return labels
+
+
+def _logged_at(line: str) -> int:
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):  # a line cut short by a kill: dropped
+        return 1 << 62
+
+
+def _num(x: float) -> str:
+    """A fraction in few characters: .082, 1.31."""
+    text = f"{x:.3f}" if x < 10 else f"{x:.1f}"
+    return text[1:] if text.startswith("0.") else text
 
 
 def _version() -> str:

@@ -174,3 +174,33 @@ def test_stability_runs_each_clip_on_one_cache_and_counts_what_it_clipped(tmp_pa
     table = (tmp_path / "out" / "stability.csv").read_text().splitlines()
     assert len(table) == 3 + 3  # header lines (run, metric, index name), windows ending at steps 4, 8, 9
     assert "clip=0.01: 9 steps" in capsys.readouterr().out
+
+
+def test_many_learners_prints_each_architectures_ratio_to_the_floor(capsys):
+    import many_learners
+
+    argv = [
+        "--d-model",
+        "32",
+        "--d-hidden",
+        "64",
+        "--tokens",
+        "32",
+        "--k",
+        "4",
+        "--learners",
+        "2",
+        "--repeats",
+        "1",
+    ]
+    assert many_learners.main(argv) == 0
+    out = capsys.readouterr().out
+    rows = [
+        line.split()
+        for line in out.splitlines()
+        if line.startswith(("mxd:", "transcoder", "skip_transcoder"))
+    ]
+    assert [row[0] for row in rows] == ["mxd:gate=topk,gate_standardize=0.1", "transcoder", "skip_transcoder"]
+    for row in rows:  # step, floor, step/floor: the ratio is the two columns' quotient
+        step, floor, ratio = map(float, row[1:4])
+        assert step > 0 and floor > 0 and ratio == pytest.approx(step / floor, rel=0.05)

@@ -137,7 +137,10 @@ def test_model_with_a_cache_is_used_and_checked_and_cache_applies_the_default_mo
 
 
 def test_train_without_a_source_is_refused(tmp_path):
-    with pytest.raises(SystemExit, match="give --cache DIR, or --model and --text"):
+    with pytest.raises(
+        SystemExit,
+        match=r"give --text to stream from the model \(--model, default smollm2-135m\), or --cache DIR",
+    ):
         main(["train", "--tokens", "1024", "--out", str(tmp_path)])
     with pytest.raises(SystemExit, match="mxd-lens train: .*not an activation cache"):
         main(["train", "--cache", str(tmp_path / "none"), "--tokens", "1024", "--out", str(tmp_path)])
@@ -217,7 +220,7 @@ def test_help_shows_each_description_once_positionals_by_name_and_each_default_o
     )
     assert "(default: 0)" in text and "(default: [1, 2, 5])" in text  # defaults the help does not state
     demo = " ".join(shown("demo").split())
-    assert "training tokens (default 262,144; 8,192 with --quick) --epochs" in demo
+    assert "tokens of text to cache (default 262,144; 8,192 with --quick), rounded up to whole shards" in demo
     assert "(default: float32 unless given)" not in demo and "(default), bfloat16" in demo
     info = shown("info")
     assert "usage: mxd-lens info [-h] LAYERS [LAYERS ...]" in info and "list" not in info
@@ -274,7 +277,9 @@ def test_demo_runs_end_to_end(tmp_path, text_model, capsys):
     assert (
         "| MxD " in out
         and "| Transcoder " in out
-        and "K = 2, 1,280 training tokens (1.76 epochs over the cache)" in out
+        and "K = 2, 1,280 training tokens (2 x 640 cache tokens; 1.76 epochs over the 726 tokens the cache "
+        "holds in whole shards)"
+        in out
     )
     label = arch_label(best["arch"])  # rows hold the key; the verdict names its label
     assert f"{label} stays closest to the model: KL(clean ‖ spliced) {label} {best['kl']:.4f}" in out
@@ -303,6 +308,7 @@ def test_threads_option_of_the_heavy_verbs_and_plain_flags(tmp_path, capsys):
     import torch
 
     before = torch.get_num_threads()
+    torch.set_num_threads(2)  # the tests run on one thread (conftest.py): --threads 1 must change it
     try:
         with pytest.raises(SystemExit, match="not an activation cache"):  # --threads applies before the work
             main(

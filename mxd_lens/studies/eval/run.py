@@ -5,6 +5,7 @@ side of the training text's document split, or a text the layers never saw), mea
 from __future__ import annotations
 
 import json
+import logging
 import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -85,11 +86,34 @@ def evaluate_saved(model: Any, config: EvalOptions, progress: bool = True) -> li
     training text cannot be checked against the evaluation text: a warning says so (naming the
     ``dataset_path`` its SAELens metadata records, if any). Its record is written into its cfg.json's
     ``metadata`` as for ours: SAELens keeps unknown metadata keys, so the folder loads as before."""
+    from mxd_lens.evaluation import evaluate
+    from mxd_lens.layers.registry import layer_arch
+
+    paths, layers, batches, eval_info = saved_layers_on_held_out(model, config)
+    if batches:  # what the long part costs, said before it (none: evaluate says so)
+        logging.getLogger(__name__).info("%s", evaluation_cost(layers, batches))
+    rows = evaluate(model, layers, batches, skip_positions=config.skip_positions, progress=progress)
+    # the architecture key with options (mxd:gate=topk), as every study table names it; ``architecture``
+    # beside it is the SAELens name in cfg.json (mxd_lens.mxd)
+    rows = [{"name": row["name"], "arch": layer_arch(layers[row["name"]]), **row} for row in rows]
+    if config.write:
+        try:
+            _record_evaluations(paths, rows[: len(paths)], eval_info, config, model)
+        except OSError as err:
+            raise EvaluationNotRecorded(rows, err) from err
+    return rows
+
+
+def saved_layers_on_held_out(
+    model: Any, config: EvalOptions
+) -> tuple[list[Path], dict[str, Any], list[Any], dict[str, Any]]:
+    """``config.layers``'s folders, the layers loaded from them (with ``config.compare``'s), checked to fit
+    ``model`` and to have been trained on it and on other documents than the held-out ones, and the
+    held-out token batches: ``(paths, layers by name, batches, the held-out text's record)``."""
     from mxd_lens import data, hooks
     from mxd_lens.config import StreamConfig
-    from mxd_lens.evaluation import check_disjoint, evaluate, held_out_batches
+    from mxd_lens.evaluation import check_disjoint, held_out_batches
     from mxd_lens.layers.io import layer_folders, load_any_layer
-    from mxd_lens.layers.registry import layer_arch
     from mxd_lens.models import model_identity
 
     if config.eval_tokens <= 0:
@@ -152,16 +176,25 @@ def evaluate_saved(model: Any, config: EvalOptions, progress: bool = True) -> li
                 )
     batches = held_out_batches(model, text, config.split, config.eval_tokens, config.context_size,
                                config.rows_per_forward, fraction, seed)  # fmt: skip
-    rows = evaluate(model, layers, batches, skip_positions=config.skip_positions, progress=progress)
-    # the architecture key with options (mxd:gate=topk), as every study table names it; ``architecture``
-    # beside it is the SAELens name in cfg.json (mxd_lens.mxd)
-    rows = [{"name": row["name"], "arch": layer_arch(layers[row["name"]]), **row} for row in rows]
-    if config.write:
-        try:
-            _record_evaluations(paths, rows[: len(paths)], eval_info, config, model)
-        except OSError as err:
-            raise EvaluationNotRecorded(rows, err) from err
-    return rows
+    return paths, layers, batches, eval_info
+
+
+def evaluation_cost(layers: Mapping[str, Any], batches: Sequence[Any]) -> str:
+    """What ``evaluate(model, layers, batches)`` will cost, on one line: the held-out tokens and the
+    model forwards (per batch one clean, one per layer spliced, one per block with the MLP zeroed and, at
+    the end, one with it at its mean: ``evaluation.evaluate``'s docstring)."""
+    from mxd_lens import hooks
+
+    blocks = sorted({hooks.block_of(layer) for layer in layers.values()})
+    n, rows = len(batches), sum(int(b.shape[0]) for b in batches)
+    tokens = sum(int(b.numel()) for b in batches)
+    spliced, ablated = n * len(layers), 2 * n * len(blocks)
+    return (
+        f"eval: {len(layers)} layer(s) at block(s) {', '.join(map(str, blocks))} on {tokens:,} held-out tokens "
+        f"({rows:,} rows of {int(batches[0].shape[1])}) in {n:,} batches: {n + spliced + ablated:,} model "
+        f"forwards ({n:,} clean, {spliced:,} spliced, {ablated:,} with the MLP zero- or mean-ablated, these "
+        "from the block on); --eval-tokens sets the tokens"
+    )
 
 
 def _ours(architecture: Any) -> bool:
@@ -224,11 +257,13 @@ def record_evaluation(path: Path, row: dict[str, Any], text: dict[str, Any], con
     ``mxd-lens eval`` does; what the frontier and the demo record for the layers they train too."""
     from mxd_lens import __version__
     from mxd_lens.evaluation import EVAL_METRICS
-    from mxd_lens.fileio import atomic_write_text, remove_stale_temporaries
+    from mxd_lens.fileio import atomic_write_text, remove_abandoned_temporaries
+    from mxd_lens.layers.io import read_layer_cfg
     from mxd_lens.models import model_source
     from mxd_lens.records import finite_json
 
-    remove_stale_temporaries(path, ("cfg.json", "eval.json"))  # left by a killed evaluation
+    # left by a killed evaluation, whatever their age: those whose writer no longer holds their lock
+    remove_abandoned_temporaries(path, ("cfg.json", "eval.json"))
     record = {
         "metrics": {k: row[k] for k in EVAL_METRICS if k in row},
         "text": text,
@@ -239,7 +274,7 @@ def record_evaluation(path: Path, row: dict[str, Any], text: dict[str, Any], con
         "model": model_source(model),
         "mxd_lens_version": __version__,
     }
-    cfg = json.loads((path / "cfg.json").read_text())
+    cfg = read_layer_cfg(path)
     meta = cfg.setdefault("metadata", {})
     # one record per (text, split, tokens, context): evaluating on three texts keeps three; kept as
     # stored (a layer evaluated before there could be several has one "evaluation")

@@ -1,0 +1,99 @@
+"""The graphs study: attribution graphs through saved layers over a suite of prompts (:mod:`mxd_lens.graph`),
+scored and pruned as circuit-tracer does, written as HTML pages and circuit-tracer graph files."""
+
+from __future__ import annotations
+
+import json
+import resource
+import time
+from pathlib import Path
+from typing import Any
+
+from mxd_lens.studies import StudyResult
+from mxd_lens.studies.graphs import GraphsOptions
+
+
+def _peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def run(model: Any, options: GraphsOptions, out: Path | None = None, progress: bool = True) -> StudyResult:
+    import pandas as pd
+    from tqdm.auto import tqdm
+
+    from mxd_lens.graph import build_graph, prune, scores
+    from mxd_lens.graph_files import circuit_tracer_graph, graph_html
+    from mxd_lens.layers.registry import layer_arch
+    from mxd_lens.replacement import load_replacement
+    from mxd_lens.studies.common import recorded_options
+
+    if not options.prompts:
+        raise ValueError("--prompts: give at least one prompt")
+    layers = load_replacement(options.layers, model, every=False)
+    label = options.label or "+".join(sorted({layer_arch(layer) for layer in layers.values()}))
+    rows, pages, built = [], {}, []
+    for i, prompt in enumerate(tqdm(options.prompts, desc="graphs", unit="graph", disable=not progress)):
+        start = time.perf_counter()
+        graph = build_graph(
+            model, layers, prompt, options.max_logits, options.logit_probability, options.chunk
+        )
+        kept = prune(graph, options.node_threshold, options.edge_threshold)
+        seconds = time.perf_counter() - start
+        s = scores(graph)
+        rows.append({"method": label, "graph": i, "prompt": prompt, "tokens": graph.n_pos, "blocks": len(layers),
+                     "top_logit": graph.logit_strings[0], "top_probability": float(graph.logit_probabilities[0]),
+                     **s, "kept_nodes": int(kept.nodes.sum()), "kept_edges": int(kept.edges.sum()),
+                     "seconds": seconds, "adjacency_mb": graph.adjacency.numel() * 4 / 2**20,
+                     "peak_rss_mb": _peak_rss_mb()})  # fmt: skip
+        built.append((graph, kept))
+    contexts = _contexts(model, layers, built, options, progress)
+    for i, (graph, kept) in enumerate(built):
+        r = rows[i]
+        meta = (f"{label}; {graph.n_features:,} features, {int(kept.nodes.sum())} nodes and {int(kept.edges.sum())} "
+                f"edges kept (node threshold {options.node_threshold}, edge threshold {options.edge_threshold}); "
+                f"replacement score {r['replacement']:.3f}, completeness score {r['completeness']:.3f}")  # fmt: skip
+        pages[f"graph-{i:02d}.html"] = graph_html(graph, kept, contexts, title=graph.prompt, meta=meta)
+        ct = circuit_tracer_graph(
+            graph, kept, slug=f"graph-{i:02d}", scan=label, node_threshold=options.node_threshold
+        )
+        pages[f"circuit-tracer/graph-{i:02d}.json"] = json.dumps(ct)
+    pages["circuit-tracer/graph-metadata.json"] = json.dumps(
+        {
+            "graphs": [
+                json.loads(pages[f"circuit-tracer/graph-{i:02d}.json"])["metadata"] for i in range(len(built))
+            ]
+        },
+        indent=2,
+    )
+    table = pd.DataFrame(rows)
+    text = (
+        f"{label}: {len(built)} graphs; replacement score median {table['replacement'].median():.3f}, completeness "
+        f"score median {table['completeness'].median():.3f}; the largest completeness error (|Σ in-edges + bias − "
+        f"input| / max(|input|, 1)) {table['max_completeness_error'].max():.2e}"
+    )
+    record = {"options": recorded_options(options), "label": label}
+    return StudyResult(name="graphs", table=table, record=record, pages=pages, text=text)
+
+
+def _contexts(
+    model: Any, layers: dict[int, Any], built: list, options: GraphsOptions, progress: bool
+) -> dict:
+    """(block, unit) -> [(left, token, right), ...]: the top contexts of every unit kept in some graph."""
+    from mxd_lens.analysis.inspect import top_contexts
+
+    if options.context_tokens <= 0:
+        return {}
+    wanted: dict[int, set[int]] = {}
+    for graph, kept in built:
+        f = graph.features
+        for i in kept.nodes[: graph.n_features].nonzero().flatten().tolist():
+            wanted.setdefault(int(f["block"][i]), set()).add(int(f["unit"][i]))
+    found = {}
+    for block, units in sorted(wanted.items()):
+        table = top_contexts(
+            model, layers[block], sorted(units), tokens=options.context_tokens, n=5,
+            context_size=min(128, model.cfg.n_ctx), progress=False,
+        )  # fmt: skip
+        for unit, part in table.groupby("feature"):
+            found[(block, int(unit))] = list(zip(part["left"], part["token"], part["right"], strict=True))
+    return found
