@@ -84,10 +84,20 @@ def save_checkpoint_dir(checkpoint_dir: Path, step: int, fill: Callable[[Path], 
         os.replace(tmp, final)
         tmp = None
         atomic_write_text(checkpoint_dir / "latest", final.name)
-    except (OSError, RuntimeError) as err:
+    except Exception as err:
+        full = _disk_full(err)
+        if not (full or isinstance(err, (OSError, RuntimeError))):
+            raise
+        last = f"the last good checkpoint is {latest_checkpoint(checkpoint_dir) or 'none'}"
+        if full:  # torch says "[enforce fail at inline_container.cc:672] unexpected pos ..."
+            free = shutil.disk_usage(checkpoint_dir).free
+            raise CheckpointError(
+                f"no space left on the disk of {checkpoint_dir} ({free / 2**20:,.1f} MiB free) to write "
+                f"checkpoint {final.name}; {last}; free disk space (or move the run to a larger disk) and resume"
+            ) from err
         raise CheckpointError(
-            f"could not write checkpoint {final.name} ({err}); the last good checkpoint is "
-            f"{latest_checkpoint(checkpoint_dir) or 'none'}; free disk space and resume"
+            f"could not write checkpoint {final.name} in {checkpoint_dir} ({err}); {last}; free disk space "
+            "and resume"
         ) from err
     finally:  # also on Ctrl-C: no half-written folder is left behind
         if tmp is not None:
@@ -96,6 +106,20 @@ def save_checkpoint_dir(checkpoint_dir: Path, step: int, fill: Callable[[Path], 
         if old != final:
             shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def _disk_full(err: BaseException) -> bool:
+    """Whether ``err`` says a write found the disk (or the quota) full: OSError's ENOSPC / EDQUOT, or the
+    RuntimeError torch.save raises then, which says only that its stream writer failed."""
+    import errno
+
+    if isinstance(err, OSError) and err.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)):
+        return True
+    text = str(err)
+    writer_failed = isinstance(err, RuntimeError) and (
+        "unexpected pos" in text or "file write failed" in text or "PytorchStreamWriter failed" in text
+    )
+    return writer_failed or "No space left on device" in text or "StorageFull" in text
 
 
 class RunLock:

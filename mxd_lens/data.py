@@ -364,8 +364,10 @@ class TokenRows:
 
         Raises ValueError once ``texts`` is exhausted if it did not fill a single row (naming ``name``,
         the text's name, when given). Warns, naming the text and the tokenizer, when more than
-        ``UNKNOWN_WARN`` of the tokens read are the tokenizer's unknown token (a text this tokenizer
-        does not cover: checked at rows 1, 2, 4, 8, ... until 4,096 tokens are read).
+        ``UNKNOWN_WARN`` of the tokens are the tokenizer's unknown token (a text this tokenizer does not
+        cover), judged once on the first ``UNKNOWN_SAMPLE`` tokens (the whole text if shorter): the
+        first rows are yielded after that, so even a reader of one row is warned, and not on a sample
+        of one row.
         """
         head = [self.bos_token_id] if self.prepend_bos else []
         body = self.context_size - len(head)
@@ -373,7 +375,8 @@ class TokenRows:
         stream: list[int] = []
         n_docs = n_tokens = n_rows = 0
         unk = getattr(self.tokenizer, "unk_token_id", None)
-        n_unk, check_at = 0, (0 if unk is None else 1)  # check_at: the row to check at (0: no more checks)
+        # the rows are held back until the share of unknown tokens is judged on UNKNOWN_SAMPLE tokens
+        judged, n_unk, held = unk is None, 0, []
         for batch in _batched(texts, self.tokenize_batch):
             for ids in self.tokenizer(batch, add_special_tokens=False)["input_ids"]:
                 n_docs += 1
@@ -382,17 +385,26 @@ class TokenRows:
                 if n_tokens:  # a document came before: separate them
                     stream.extend(sep)
                 n_tokens += len(ids)
-                n_unk += ids.count(unk) if check_at else 0
+                n_unk += 0 if judged else ids.count(unk)
                 stream.extend(ids)
                 start = 0
                 while len(stream) - start >= body:
-                    if n_rows + 1 == check_at:
-                        warned = self._warn_unknown(n_unk, n_tokens, name)
-                        check_at = 0 if warned or n_tokens >= 4096 else 2 * check_at
-                    yield torch.tensor(head + stream[start : start + body], dtype=torch.long)
+                    row = torch.tensor(head + stream[start : start + body], dtype=torch.long)
                     start += body
                     n_rows += 1
+                    if judged:
+                        yield row
+                    else:
+                        held.append(row)
                 del stream[:start]  # once per document, so a long document is cut in linear time
+                if not judged and n_tokens >= self.UNKNOWN_SAMPLE:
+                    judged = True
+                    self._warn_unknown(n_unk, n_tokens, name)
+                    yield from held
+                    held = []
+        if not judged and n_tokens:  # the whole text is shorter than the sample
+            self._warn_unknown(n_unk, n_tokens, name)
+        yield from held
         if not n_rows:
             raise ValueError(
                 f"no usable text{'' if name is None else f' in {name}'}: {n_docs} documents gave {n_tokens} "
@@ -402,6 +414,8 @@ class TokenRows:
 
     UNKNOWN_WARN = 0.1
     """The fraction of a text's tokens that may be the tokenizer's unknown token without a warning."""
+    UNKNOWN_SAMPLE = 4096
+    """The tokens (at the text's start) on which that fraction is judged, before the first row is yielded."""
 
     def _warn_unknown(self, n_unk: int, n_tokens: int, name: Any) -> bool:
         """Warn when more than ``UNKNOWN_WARN`` of the first ``n_tokens`` tokens of the text ``name`` are
@@ -514,7 +528,8 @@ def mix_texts(
     ``out`` is written as its name says (``MIX_SUFFIXES``: .txt.xz, .txt.gz or plain .txt; another name
     is refused), atomically; refused before anything is written when it is one of the sources or lies
     inside a source folder, and so is a source given twice (by its resolved path). The temporaries a
-    killed mix left for ``out`` are removed first. Returns (documents, volume per source)."""
+    killed mix left for ``out`` are removed first. A source that gave nothing (an empty file) is named in a
+    warning. Returns (documents, volume per source)."""
     from mxd_lens.fileio import atomic_write, remove_abandoned_temporaries
 
     measure = measure or len
@@ -552,6 +567,15 @@ def mix_texts(
 
     given, counts = [0] * len(sources), [0]
     atomic_write(out, write)
+    empty = [str(source) for source, volume in zip(sources, given, strict=True) if not volume]
+    if empty:
+        import warnings
+
+        warnings.warn(
+            f"{', '.join(empty)}: no document, so nothing of {'it' if len(empty) == 1 else 'them'} is in "
+            f"the mix {out} (an empty file or folder?); check the source{'s' if len(empty) > 1 else ''}",
+            stacklevel=2,
+        )
     return counts[0], given
 
 

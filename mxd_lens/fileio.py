@@ -143,3 +143,22 @@ def file_digest(path: str | Path, algorithm: str = "sha256", **params: int) -> s
 def atomic_to_csv(table: object, path: str | Path, **kwargs: object) -> None:
     """``table.to_csv(path, **kwargs)`` (a pandas DataFrame) written atomically, as :func:`atomic_write`."""
     atomic_write(path, lambda tmp: table.to_csv(tmp, **kwargs))  # type: ignore[attr-defined]
+
+
+def read_json(path: str | Path) -> object:
+    """The JSON value in the file ``path``, or a ValueError naming the file and what is wrong with it:
+    not UTF-8, not valid JSON (truncated or damaged?), or nested too deeply for Python to read (a
+    RecursionError from ``json`` otherwise, naming nothing). A missing file raises FileNotFoundError."""
+    import json
+
+    path = Path(path)
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path} is not valid JSON (truncated or damaged?): {err}") from None
+    except RecursionError:
+        raise ValueError(f"{path} is not valid JSON (nested too deeply)") from None
+    except UnicodeDecodeError as err:
+        raise ValueError(
+            f"{path} is not valid JSON (not UTF-8 text: {err.reason} at byte {err.start})"
+        ) from None

@@ -18,7 +18,6 @@ populated once also loads offline with ``HF_HUB_OFFLINE=1``.)
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import tempfile
@@ -27,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from mxd_lens.fileio import _umask
-from mxd_lens.layers.io import layer_folders, load_layer
+from mxd_lens.layers.io import layer_folders, load_layer, read_layer_cfg
 from mxd_lens.records import EvaluationRecord, TrainingRecord
 
 FILES = ("cfg.json", "sae_weights.safetensors")
@@ -52,7 +51,7 @@ def stage(paths: str | Path | Sequence[str | Path], repo_id: str, folder: str | 
             (tmp / layer.name).mkdir()
             for name in FILES:
                 shutil.copy2(layer / name, tmp / layer.name / name)
-            cards.append((layer.name, json.loads((layer / "cfg.json").read_text())))
+            cards.append((layer.name, read_layer_cfg(layer)))
         (tmp / "README.md").write_text(model_card(repo_id, cards), encoding="utf-8")
         os.chmod(tmp, 0o777 & ~_umask())
         if folder.exists():

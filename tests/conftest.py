@@ -5,6 +5,10 @@ from __future__ import annotations
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# One OpenMP thread, here and in the processes the tests start (the CLI, torchrun's ranks, the notebook's
+# kernel), unless the caller sets another count: on these tiny tensors a second thread only spin-waits,
+# which multiplied the suite's CPU time (by about 3 on a busy 2-core machine) and slowed it down.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest
 import torch

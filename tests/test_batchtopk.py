@@ -13,7 +13,7 @@ from test_activations import random_rows
 
 import mxd_lens
 from mxd_lens import BatchTopKTranscoder, BatchTopKTranscoderConfig
-from mxd_lens.activations import ModelActivations, write_cache
+from mxd_lens.activations import ModelActivations
 from mxd_lens.cli import build_parser
 from mxd_lens.layers import ops
 from mxd_lens.layers.learners import LearnerSpec
@@ -329,37 +329,6 @@ def test_registry_lists_it_and_the_command_line_takes_it():
     assert "batchtopk_transcoder" not in default  # the paper's comparison by default
 
 
-# -- data parallel ----------------------------------------------------------------------------------
-@pytest.fixture
-def cache(tmp_path):
-    return write_cache(_source(), tmp_path / "cache", n_shards=4, progress=False)  # 768 tokens of block 1
-
-
-def test_two_ddp_ranks_select_and_learn_as_one_process_on_the_global_batch(tmp_path, cache):
-    """Under torchrun each rank holds half the batch; the selection is still the global batch's top T*K
-    (the ranks' candidates are gathered) and the threshold steps by the global smallest kept code, so
-    the weights and the threshold equal one process's on the whole batch."""
-    import os
-    import subprocess
-    import sys
-
-    from test_training import final_weights
-
-    args = ["train", "--no-progress", "--arch", "batchtopk_transcoder", "--k", "4", "--width-multiplier", "8",
-            "--batch-tokens", "32", "--lr", "0.003", "--warmup", "5", "--cache", str(cache), "--tokens",
-            str(32 * 20), "--checkpoint-every", "0"]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    single = [sys.executable, "-m", "mxd_lens.cli", *args, "--out", str(tmp_path / "single")]
-    subprocess.run(single, check=True, capture_output=True, env=env)
-    ddp = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "mxd_lens.cli", *args, "--out", str(tmp_path / "ddp")]  # fmt: skip
-    result = subprocess.run(ddp, capture_output=True, text=True, env=env)
-    assert result.returncode == 0, result.stderr[-3000:]
-    one, two = final_weights(tmp_path / "single"), final_weights(tmp_path / "ddp")
-    assert one.keys() == two.keys() == {"L1.batchtopk_transcoder.k4.m8"}
-    for name in one:
-        assert float(one[name]["threshold"].max()) > 0
-        for key in one[name]:
-            torch.testing.assert_close(
-                two[name][key], one[name][key], rtol=1e-4, atol=1e-5, msg=f"{name}.{key}"
-            )
+# -- data parallel: under torchrun the selection is the global batch's top T*K and the threshold steps
+# by the global smallest kept code, tested with the other architectures in one torchrun run by
+# test_training.py::test_two_ddp_ranks_equal_one_process_on_the_same_global_batch.

@@ -111,7 +111,7 @@ def test_a_text_of_mostly_unknown_tokens_warns_naming_the_text_and_the_tokenizer
 
     rows = TokenRows(make_tokenizer(["the cat sat"]), context_size=8)
     with pytest.warns(
-        UserWarning, match=r"x.txt: 7 of its first 8 tokens \(88%\) are the unknown token '<unk>'"
+        UserWarning, match=r"x.txt: 14 of its first 16 tokens \(88%\) are the unknown token '<unk>'"
     ):
         list(rows.rows(["the zorp quux blah frob glorp snark wibble"] * 2, name="x.txt"))
     with warnings.catch_warnings():

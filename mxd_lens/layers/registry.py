@@ -12,6 +12,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+# format_arch (the inverse of parse_arch) and the labels' words live with what reads saved folders
+from mxd_lens.saved_layers import format_arch, label_with_options
+
 if TYPE_CHECKING:
     from mxd_lens.layers.base import MLPReplacement
 
@@ -141,20 +144,10 @@ def parse_arch(text: str) -> tuple[str, dict[str, Any]]:
     return key.strip(), options
 
 
-def format_arch(key: str, options: dict[str, Any] | None = None) -> str:
-    """The inverse of ``parse_arch``: ``"mxd"`` or ``"mxd:balance_rate=0.001,gate=topk"`` (fields sorted)."""
-    if not options:
-        return key
-    return key + ":" + ",".join(f"{name}={_format_value(options[name])}" for name in sorted(options))
-
-
 def arch_label(text: str) -> str:
     """How tables and plots name an architecture with options: ``MxD``, ``MxD (gate=topk)``."""
     key, options = parse_arch(text)
-    label = ARCHITECTURES[key].label if key in ARCHITECTURES else key
-    if not options:
-        return label
-    return f"{label} ({', '.join(f'{n}={_format_value(options[n])}' for n in sorted(options))})"
+    return label_with_options(ARCHITECTURES[key].label if key in ARCHITECTURES else key, options)
 
 
 def _parse_value(value: str) -> Any:
@@ -169,15 +162,3 @@ def _parse_value(value: str) -> Any:
         except ValueError:
             pass
     return value
-
-
-def _format_value(value: Any) -> str:
-    return (
-        "none"
-        if value is None
-        else str(value).lower()
-        if isinstance(value, bool)
-        else f"{value:g}"
-        if isinstance(value, float)
-        else str(value)
-    )

@@ -28,6 +28,7 @@ import json
 import logging
 import math
 import time
+import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -579,13 +580,49 @@ def load_induction_model(path: str | Path) -> HookedTransformer:
         path = path / "model.pt"
     if not path.is_file():
         raise FileNotFoundError(f"no induction model at {path}: train one with train_induction_model")
-    saved = torch.load(path, weights_only=True)
-    model = _build(
-        saved["cfg"], saved.get("positional", "shortformer")
-    )  # models saved before the option: shortformer
-    model.load_state_dict(saved["state_dict"])
+    not_ours = (
+        f"{path} is not an induction model saved by mxd-lens (`mxd-lens spd-induction-model` writes "
+        "OUT/model.pt: a dict of plain values and tensors, the model's cfg and state_dict)"
+    )
+    try:  # PyTorch's refusal would advise weights_only=False: unpickling a file runs what it names
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch's note on the pickle protocol of a foreign file
+            saved = torch.load(path, weights_only=True, map_location="cpu")
+    except Exception as err:
+        if _pickle_refused(err):
+            why = ("it pickles other objects than tensors and plain values, which mxd-lens does not unpickle "
+                   "(unpickling runs whatever code the file names)")  # fmt: skip
+        else:
+            why = (
+                "it does not read as a file torch.save writes: damaged, cut short or of another format "
+                f"({type(err).__name__})"
+            )
+        raise ValueError(f"{not_ours}; {why}") from None
+    if not (
+        isinstance(saved, dict)
+        and isinstance(saved.get("cfg"), dict)
+        and isinstance(saved.get("state_dict"), dict)
+    ):
+        raise ValueError(f"{not_ours}; it holds a {type(saved).__name__} without a cfg and a state_dict")
+    try:
+        model = _build(
+            saved["cfg"], saved.get("positional", "shortformer")
+        )  # models saved before the option: shortformer
+        model.load_state_dict(saved["state_dict"])
+    except (TypeError, ValueError, KeyError, RuntimeError) as err:
+        raise ValueError(
+            f"{not_ours}; its cfg or weights do not make the model: {' '.join(str(err).split())}"
+        ) from None
     model.pos_embed.W_pos.requires_grad_(False)
     return model
+
+
+def _pickle_refused(err: BaseException) -> bool:
+    """Whether ``err`` is ``torch.load(weights_only=True)`` refusing a pickle of other objects (whose
+    message advises the unsafe ``weights_only=False``), not a damaged or foreign file."""
+    import pickle
+
+    return isinstance(err, pickle.UnpicklingError) or "weights_only" in str(err)
 
 
 def plot_training_curves(history: dict[str, Any], path: str | Path | None = None) -> Any:

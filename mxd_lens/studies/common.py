@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -119,12 +118,12 @@ def layers_model(paths: Sequence[str | Path]) -> tuple[str, dict[str, Any] | Non
 
     if not paths:
         return DEFAULT_MODEL, None, None
-    from mxd_lens.layers.io import layer_folders
+    from mxd_lens.layers.io import layer_folders, read_layer_cfg
     from mxd_lens.records import TrainingRecord
     from mxd_lens.studies.eval.run import _ours, recorded_model
 
     first = layer_folders(list(paths))[0]
-    cfg = json.loads((first / "cfg.json").read_text())
+    cfg = read_layer_cfg(first)
     meta = cfg.get("metadata") or {}
     record = TrainingRecord.from_dict(meta.get("training")).model_source
     if not record and meta.get("model_name") and not _ours(cfg.get("architecture")):  # from elsewhere

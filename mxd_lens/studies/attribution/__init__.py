@@ -57,3 +57,9 @@ class AttributeOptions:
     """units to list"""
     context_tokens: int = 16_384
     """tokens of the bundled English text searched for the top units' contexts in the report (0: none)"""
+
+
+def check_attribute(options: AttributeOptions) -> None:
+    """What `mxd-lens attribute` refuses before the model is loaded."""
+    if not options.layers:
+        raise ValueError("give --layers (saved layer folders to splice)")

@@ -17,7 +17,7 @@ def run(model: Any, options: DemoOptions, out: Path | None) -> StudyResult:
     from mxd_lens.analysis.tasks import bundled_data
     from mxd_lens.config import RECOMMENDED_MXD, TrainConfig
     from mxd_lens.data import default_text
-    from mxd_lens.studies.frontier import FrontierConfig
+    from mxd_lens.studies.frontier import FrontierConfig, budget_words
     from mxd_lens.studies.frontier.run import run_frontier
 
     quick = options.quick
@@ -42,10 +42,11 @@ def run(model: Any, options: DemoOptions, out: Path | None) -> StudyResult:
         ),
     )
     rows = run_frontier(model, config, out)
-    epochs = f"{rows[0]['epochs']:.2f} epochs over the cache), " if rows[0].get("epochs") else "one pass), "
+    held = round(rows[0]["train_tokens"] / rows[0]["epochs"])  # the tokens the cache holds
     parts = [
         f"{model.cfg.model_name}, block {options.block}: parameter-matched (m = {rows[0]['width_multiplier']}), "
-        f"K = {options.k}, {rows[0]['train_tokens']:,} training tokens ({epochs}{rows[0]['tokens']:,} held-out tokens",
+        f"K = {options.k}, {budget_words(rows[0]['train_tokens'], held, options.epochs, config.train_tokens)}, "
+        f"{rows[0]['tokens']:,} held-out tokens",
         demo_table(rows),
         demo_verdict(rows),
     ]

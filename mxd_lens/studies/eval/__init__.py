@@ -46,3 +46,11 @@ class EvalOptions:
     allow_other_model: bool = False
     """evaluate even when the model is not the one the layers were trained on (another file digest,
     config digest or hub revision); the record then names the model used"""
+
+    def __post_init__(self) -> None:
+        # refused at once, before the model and the layers are loaded
+        if self.eval_tokens <= 0:
+            raise ValueError(f"--eval-tokens {self.eval_tokens}: evaluate at least one row of tokens")
+        for name in ("context_size", "rows_per_forward"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} {getattr(self, name)}: give a positive number")

@@ -9,10 +9,33 @@ from dataclasses import dataclass, field, fields
 from mxd_lens.config import StreamConfig, TrainConfig
 
 
+def budget_words(training: int, held: int, epochs: float | None, cache_tokens: int) -> str:
+    """``training`` tokens in the words of the options, --epochs x --cache-tokens (or --tokens, when
+    ``epochs`` is None), and the epochs over the cache that makes: fewer than --epochs where the cache
+    holds more (``held``: whole shards) than --cache-tokens."""
+    asked = "--tokens" if epochs is None else f"{epochs:g} x {cache_tokens:,} cache tokens"
+    return (
+        f"{training:,} training tokens ({asked}; {training / held:.2f} epochs over the {held:,} tokens the "
+        "cache holds in whole shards)"
+    )
+
+
+@dataclass
+class StudyTrainConfig(TrainConfig):
+    """``mxd-lens train``'s recipe (``TrainConfig``) as the frontier and the demo read ``epochs``."""
+
+    epochs: float | None = None
+    """training tokens = epochs x --cache-tokens as asked (the cache holds whole shards, a little more,
+    so the epochs over it the output reports are a little fewer); give this or --tokens"""
+
+
 @dataclass
 class FrontierConfig:
-    """What to compare. ``train_tokens`` are drawn from the 'train' side of ``text``'s document split;
-    held-out tokens from its 'eval' side (never the same documents) or from ``eval_text``."""
+    """What to compare. The cache holds ``train_tokens`` (``--cache-tokens``) of the 'train' side of
+    ``text``'s document split, rounded up to whole shards; held-out tokens come from its 'eval' side (never
+    the same documents) or from ``eval_text``. Training tokens (tokens seen, repeats included; the rows'
+    ``train_tokens``) = ``train.epochs`` x ``train_tokens``, or ``train.total_tokens``; the rows' ``epochs``
+    are the passes over the cache that makes, a little fewer than ``train.epochs`` (whole shards)."""
 
     text: str | None = None  # training text: a file, folder or dataset (default: the bundled English text)
     blocks: list[int] = field(default_factory=list)
@@ -36,7 +59,9 @@ class FrontierConfig:
     them, as `mxd-lens train --init mlp`; the others start as always. 'default': the architectures' own"""
     arch_lr: list[str] = field(default_factory=list)
     """a learning rate per architecture, "ARCH=LR" (e.g. mxd=0.001 transcoder=0.002); others use lr"""
-    train_tokens: int = 1_000_000  # tokens cached from the train split
+    train_tokens: int = field(default=1_000_000, metadata={"alias": ["--cache-tokens"]})
+    """tokens of text's train side to cache (rounded up to whole shards of rows_per_shard x context_size
+    tokens); training tokens = epochs x this, or --tokens"""
     eval_tokens: int = 25_600  # held-out tokens for CE, KL, FVU, L0, dead units
     context_size: int = StreamConfig.context_size  # tokens per row (BOS included where the model uses one)
     rows_per_shard: int = StreamConfig.rows_per_shard  # token rows per cache shard
@@ -44,29 +69,34 @@ class FrontierConfig:
     eval_fraction: float = StreamConfig.eval_fraction  # documents of text held out as its 'eval' side
     split_seed: int = StreamConfig.split_seed  # seed of that document split
     cache_dtype: str = "float32"  # float32, float16 or bfloat16 storage of the cache
-    train: TrainConfig = field(default_factory=lambda: TrainConfig(epochs=1.0))
-    """how every group is trained (``mxd-lens train``'s recipe): ``epochs`` are passes over the
-    ``train_tokens`` cached; ``seed`` seeds the layers of points with no @SEED. The study sets the token
-    budget, and checkpoints / logs every 1/20 and 1/50 of the steps unless they are given"""
+    train: StudyTrainConfig = field(default_factory=lambda: StudyTrainConfig(epochs=1.0))
+    """how every group is trained (``mxd-lens train``'s recipe, but --epochs counts --cache-tokens);
+    ``seed`` seeds the layers of points with no @SEED. Checkpoints / logs every 1/20 and 1/50 of the
+    steps unless they are given"""
 
     def __post_init__(self) -> None:
-        from mxd_lens import data
+        # what needs no torch first, so that a mistyped option is refused at once
         from mxd_lens.config import RECOMMENDED_MXD
-        from mxd_lens.layers import get_architecture
+        from mxd_lens.saved_layers import BUILT_IN
 
-        if self.text is None:
-            self.text = str(data.default_text())
         if self.archs is None:  # the paper's comparison; others (batchtopk_transcoder, ...) when asked for
             self.archs = ["mxd", RECOMMENDED_MXD, "transcoder", "skip_transcoder"]
-        from mxd_lens.layers import parse_arch
-
-        for arch in self.archs:
-            get_architecture(parse_arch(arch)[0])  # a clear error for an unknown key (options: LearnerSpec)
         if self.init not in ("default", "mlp"):
             raise ValueError(f"init={self.init!r}: choose 'default' or 'mlp'")
-        self.lr_of(self.archs[0])  # a clear error for a malformed arch_lr
         if not self.learners():
             raise ValueError("give at least one block and one K (blocks and ks, or grid)")
+        built_in = {entry.key for entry in BUILT_IN.values()}
+        others = [arch for arch in self.archs if arch.partition(":")[0].strip() not in built_in]
+        if others:  # a plug-in's key, or a mistyped one: the registry (torch) says which
+            from mxd_lens.layers import get_architecture, parse_arch
+
+            for arch in others:  # a clear error for an unknown key (its options: LearnerSpec)
+                get_architecture(parse_arch(arch)[0])
+        self.lr_of(self.archs[0])  # a clear error for a malformed arch_lr
+        if self.text is None:
+            from mxd_lens import data
+
+            self.text = str(data.default_text())
 
     def lr_of(self, arch: str) -> float | None:
         """The rate ``arch_lr`` gives ``arch`` (None: the study's ``lr``)."""

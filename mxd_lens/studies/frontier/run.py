@@ -36,6 +36,7 @@ from mxd_lens.activations import (
     ModelActivations,
     StreamConfig,
     StreamInfo,
+    read_manifest,
     write_cache,
 )
 from mxd_lens.evaluation import check_disjoint, evaluate, held_out_batches
@@ -46,7 +47,7 @@ from mxd_lens.records import loadable_name
 from mxd_lens.studies import StudyResult
 from mxd_lens.studies.common import recorded_options
 from mxd_lens.studies.eval.run import record_evaluation
-from mxd_lens.studies.frontier import FrontierConfig, FrontierOptions, ReportOptions
+from mxd_lens.studies.frontier import FrontierConfig, FrontierOptions, ReportOptions, budget_words
 from mxd_lens.training import Trainer
 
 log = logging.getLogger(__name__)
@@ -61,6 +62,23 @@ def eval_batches(model: Any, config: FrontierConfig) -> list[torch.Tensor]:
                             config.eval_rows_per_forward, config.eval_fraction, config.split_seed)  # fmt: skip
 
 
+def check_texts(model: Any, config: FrontierConfig) -> None:
+    """Read every text the study reads (the training text's train side; the held-out text, or the
+    training text's eval side; the out-of-domain text) until it fills one row of ``context_size``
+    tokens, so an empty, short, undecodable or mis-fielded text is refused, naming it, before anything
+    is cached or trained (the held-out ones would otherwise fail only once training is done)."""
+    rows = data.TokenRows.for_model(model, config.context_size)
+    held_out = (config.eval_text, "all") if config.eval_text is not None else (config.text, "eval")
+    for text, split in ((config.text, "train"), held_out, (config.ood_text, "all")):
+        if text is None:
+            continue
+        texts = data.iter_texts(text)
+        if split != "all":
+            texts = data.split_texts(texts, split, config.eval_fraction, config.split_seed)
+        name = data.text_name(text) + ("" if split == "all" else f" (its {split} side)")
+        next(rows.rows(texts, name=name))  # a ValueError naming the text when it fills no row
+
+
 def write_frontier_cache(
     model: Any, config: FrontierConfig, out: str | Path, progress: bool = True
 ) -> tuple[Path, dict[str, Any], int]:
@@ -69,10 +87,7 @@ def write_frontier_cache(
     cache = Path(config.cache) if config.cache else out / "cache"
     blocks = config.all_blocks
     if (cache / MANIFEST).is_file():  # a shared cache may hold more blocks than this study needs
-        blocks = sorted(
-            set(blocks)
-            | set(StreamInfo.from_dict(json.loads((cache / MANIFEST).read_text())["stream"]).blocks)
-        )
+        blocks = sorted(set(blocks) | set(StreamInfo.from_dict(read_manifest(cache)["stream"]).blocks))
     stream_config = StreamConfig(
         text=config.text,
         **{k: getattr(config, k) for k in ("context_size", "rows_per_shard", "eval_fraction", "split_seed")},
@@ -95,10 +110,7 @@ def run_frontier(
 ) -> list[dict[str, Any]]:
     """Cache, train every (arch, K) at every layer from the one stream, evaluate, write results."""
     out = Path(out)
-    # a wrong text path fails now, not after the cache and training
-    for text in (config.text, config.eval_text, config.ood_text):
-        if text is not None:
-            data.iter_texts(text)
+    check_texts(model, config)  # a wrong or short text fails now, not after the cache and training
     out.mkdir(parents=True, exist_ok=True)
     cache, text_info, n_shards = write_frontier_cache(model, config, out, progress)
     if config.eval_text is not None:
@@ -128,6 +140,7 @@ def run_frontier(
     # One Trainer per (block, seed), in the order the config names them (so the first block's layers
     # are trained and evaluated first); each group's evaluation is kept beside its weights.
     groups = list(dict.fromkeys((block, seed) for block, _, seed in config.learners()))
+    budget_said = False
     for block, seed in groups:
         specs = [
             LearnerSpec(
@@ -150,6 +163,10 @@ def run_frontier(
             cache, blocks=[block], expect={"model_name": loadable_name(model)}, max_shards=n_shards
         )
         train_config = config.train_config(seed)
+        if not budget_said:  # the trainer's own note counts epochs over the cache; this says why not --epochs
+            log.info("frontier: each layer trains on %s", budget_words(
+                train_config.total_tokens, source.epoch_tokens, config.train.epochs, config.train_tokens))  # fmt: skip
+            budget_said = True
         trainer = Trainer(
             specs, source, train_config, folder, model=model, progress=progress, data_info=text_info
         )
