@@ -22,6 +22,7 @@ fixed separator that activation pipelines drop, not a token of text. docs/models
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import importlib.util
 import inspect
@@ -83,6 +84,7 @@ def load_model(
     special_tokens: dict[str, str] | None = None,
     cls: type[HookedTransformer] | None = None,
     tl_name: str | None = None,
+    check_load: bool = True,
     **kwargs: Any,
 ) -> HookedTransformer:
     """A ``HookedTransformer`` (or ``cls``, a subclass such as SAELens's ``HookedSAETransformer``,
@@ -104,6 +106,11 @@ def load_model(
     name); pass it for another family TL knows only by name. It must name a model of the folder's
     architecture (ValueError otherwise, naming both).
 
+    ``check_load`` (a .gguf file, a folder, the default): once converted, TL's log-probs on a few tokens
+    through the first blocks are compared with transformers' (:func:`_check_conversion`); a difference beyond
+    the dtype's tolerance is a ValueError naming the family and the difference (a converter that drops a
+    weight or a setting). ``check_load=False`` (CLI: ``--no-load-check``) skips it.
+
     ``dtype``: float32, bfloat16 or float16 (a ``torch.dtype`` or its name). A half dtype the model
     cannot run in on ``device`` (one token is run through it) is a ValueError naming the dtypes to use.
 
@@ -121,11 +128,17 @@ def load_model(
     """
     special_tokens = dict(special_tokens or {})
     dtype = torch_dtype(dtype)
+    if (
+        Path(name_or_path).expanduser().is_dir()
+        and (Path(name_or_path).expanduser() / "config.json").is_file()
+    ):
+        _check_own_code(Path(name_or_path).expanduser())  # a remote-code folder: refused before any import
     if cls is None:
         from transformer_lens import HookedTransformer as cls
     if not (isinstance(cls, type) and issubclass(cls, _hooked_transformer())):
         raise TypeError(f"cls={cls!r} must be HookedTransformer or a subclass (e.g. HookedSAETransformer)")
     kwargs["cls"] = cls
+    kwargs["check_load"] = bool(check_load)
     if tl_name is not None:
         tl_name = kwargs["tl_name"] = _official_name(tl_name)
     with _quiet_deprecation():
@@ -263,7 +276,8 @@ def _check_runs(model: Any, name: str) -> None:
 
 def host_settings(options: Any = None, recorded: dict[str, Any] | None = None) -> dict[str, Any]:
     """``load_model``'s keyword arguments for the host options ``options`` (a ``HostOptions``: dtype,
-    prepend_bos, bos_token, eos_token; None: none given): each one given, else the one ``recorded``
+    prepend_bos, bos_token, eos_token, no_load_check; None: none given): each one given, else the one
+    ``recorded``
     (a model source a layer's training record holds: how its host was loaded), else nothing (load_model's
     own default). Only what is set is returned."""
     recorded = recorded or {}
@@ -281,6 +295,8 @@ def host_settings(options: Any = None, recorded: dict[str, Any] | None = None) -
             special[key] = getattr(options, key)
     if special:
         settings["special_tokens"] = special
+    if getattr(options, "no_load_check", False):
+        settings["check_load"] = False
     return settings
 
 
@@ -568,23 +584,31 @@ def _converted_folder(gguf_path: Path) -> Path:
 
     where, name = str(gguf_path.parent), gguf_path.name
     try:
-        config = AutoConfig.from_pretrained(where, gguf_file=name)
+        config = AutoConfig.from_pretrained(where, gguf_file=name, trust_remote_code=False)
     except ValueError as err:  # transformers cannot map general.architecture to a model
         raise ValueError(
             f"transformers cannot load {gguf_path} (general.architecture: "
             f"{_gguf_architecture(gguf_path)}): {err}"
         ) from err
+    _check_dense_config(_architecture(config), config)
     _check_tl_supports(_architecture(config), gguf_path)
 
     log.info("mxd_lens: converting %s to a Hugging Face folder at %s (once)", gguf_path, folder)
-    tokenizer = AutoTokenizer.from_pretrained(where, gguf_file=name)
-    model = AutoModelForCausalLM.from_pretrained(where, gguf_file=name, dtype=torch.float32, **_dequantized())
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config  # the weights are plain fp32 now
+    tokenizer = AutoTokenizer.from_pretrained(where, gguf_file=name, trust_remote_code=False)
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = tempfile.mkdtemp(dir=folder.parent, prefix=".convert-")
     try:
-        model.save_pretrained(tmp)
+        from mxd_lens.weights import write_gguf_as_folder
+
+        # One tensor at a time (issue 57); the whole model at once only where that cannot be done.
+        if not write_gguf_as_folder(gguf_path, config, Path(tmp)):
+            model = AutoModelForCausalLM.from_pretrained(
+                where, gguf_file=name, dtype=torch.float32, trust_remote_code=False, **_dequantized()
+            )
+            if hasattr(model.config, "quantization_config"):
+                del model.config.quantization_config  # the weights are plain fp32 now
+            model.save_pretrained(tmp)
+            del model
         tokenizer.save_pretrained(tmp)
         try:
             os.replace(tmp, folder)  # atomic: the folder is complete or absent
@@ -623,24 +647,30 @@ def _load_folder(
         get_pretrained_model_config,
         get_pretrained_state_dict,
     )
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
+
+    from mxd_lens.weights import load_unprocessed, read_hf_model
 
     kwargs = dict(kwargs)
     cls = kwargs.pop("cls")
-    hf_config = AutoConfig.from_pretrained(folder, local_files_only=True)
+    check_load = kwargs.pop("check_load", True)
+    _check_own_code(folder)  # before transformers reads it (and would ask whether to run its code)
+    hf_config = AutoConfig.from_pretrained(folder, local_files_only=True, trust_remote_code=False)
     architecture = _architecture(hf_config)
-    _check_tl_supports(architecture, folder)
     _check_dense_config(architecture, hf_config)  # before any weights are read
+    _check_tl_supports(architecture, folder)
     template = kwargs.pop("tl_name", None) or _BY_NAME_ONLY.get(architecture)
     # Special tokens are set at load: TL rebuilds the tokenizer from its init kwargs (to add BOS),
     # and setting tokenizer.bos_token afterwards would not change what it prepends.
     tokenizer = _tokenizer_with(
-        lambda **kw: AutoTokenizer.from_pretrained(folder, local_files_only=True, **kw),
+        lambda **kw: AutoTokenizer.from_pretrained(
+            folder, local_files_only=True, trust_remote_code=False, **kw
+        ),
         special_tokens,
         folder,
     )
-    try:
-        hf_model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, local_files_only=True).eval()
+    try:  # in dtype tensor by tensor, without a memory map or a float32 copy (issue 57)
+        hf_model = read_hf_model(folder, hf_config, dtype)
     except pickle.UnpicklingError:  # PyTorch's weights-only refusal, which advises weights_only=False
         pickles = sorted(str(f) for f in folder.iterdir() if f.is_file() and _is_pickle(f))
         raise ValueError(_pickle_refusal(" and ".join(pickles) or f"a weights file in {folder}")) from None
@@ -656,7 +686,7 @@ def _load_folder(
                 fold_ln=fold_ln,
                 device=device,
                 dtype=dtype,
-                **kwargs,
+                **{**kwargs, "trust_remote_code": False},
             )
         except AttributeError as err:  # TL reads a config field this transformers no longer has
             from importlib.metadata import version
@@ -670,17 +700,23 @@ def _load_folder(
         cfg = _tl_config_fixed(cfg, hf_model.config)
         check_dense(cfg)
         state_dict = get_pretrained_state_dict(tl_name, cfg, hf_model, dtype=dtype)
+    _biases_from_hf(state_dict, cfg, hf_model, folder)
     cfg.model_name = model_name
     cfg.tokenizer_name = str(folder)
     model = cls(cfg, tokenizer, move_to_device=False)
-    model.load_and_process_state_dict(
-        state_dict,
-        fold_ln=fold_ln,
-        center_writing_weights=False,
-        center_unembed=False,
-        fold_value_biases=False,
-    )
+    if fold_ln:  # TL folds in float32 (a float32 copy of the whole state dict, in a half dtype too)
+        model.load_and_process_state_dict(
+            state_dict,
+            fold_ln=fold_ln,
+            center_writing_weights=False,
+            center_unembed=False,
+            fold_value_biases=False,
+        )
+    else:
+        load_unprocessed(model, state_dict)
     model.move_model_modules_to_device()
+    if check_load:
+        _check_conversion(model.eval(), hf_model, architecture, folder)
     return model.eval()
 
 
@@ -846,10 +882,19 @@ def _rope_fields_readable(config_class: type) -> Iterator[None]:
 
 def _tl_config_fixed(cfg: Any, hf_config: Any) -> Any:
     """TL's config with what its converter gets wrong for this folder put right: TL 3.9 takes a GPT-2
-    MLP to be 4 * d_model wide, ignoring ``n_inner``."""
+    MLP to be 4 * d_model wide, ignoring ``n_inner``, and a head to be hidden_size / num_attention_heads
+    wide in several families (Llama, OLMo-3, Apertus), ignoring a decoupled ``head_dim``."""
     n_inner = getattr(hf_config, "n_inner", None)
     if cfg.original_architecture == "GPT2LMHeadModel" and n_inner and n_inner != cfg.d_mlp:
         cfg = type(cfg).from_dict({**cfg.to_dict(), "d_mlp": n_inner})
+    head_dim = getattr(hf_config, "head_dim", None)  # decoupled from hidden_size / num_attention_heads
+    if isinstance(head_dim, int) and head_dim > 0 and head_dim != cfg.d_head:
+        fixed = {"d_head": head_dim}
+        if cfg.rotary_dim == cfg.d_head:  # full rotary, as the converters that ignore head_dim set it
+            fixed["rotary_dim"] = head_dim
+        if cfg.attn_scale == cfg.d_head**0.5:  # derived from the old width (from_dict would keep it)
+            fixed["attn_scale"] = head_dim**0.5
+        cfg = type(cfg).from_dict({**cfg.to_dict(), **fixed})
     return cfg
 
 
@@ -865,15 +910,20 @@ def _load_tl_name(
 
     kwargs = dict(kwargs)
     cls = kwargs.pop("cls")
+    kwargs.pop("check_load", None)  # TL's own route: no transformers model here to compare with
     for flag in ("center_writing_weights", "center_unembed", "fold_value_biases"):
         kwargs.setdefault(flag, False)
     try:
         if special_tokens and "tokenizer" not in kwargs:
+            from transformer_lens.loading_from_pretrained import NEED_REMOTE_CODE_MODELS
             from transformers import AutoTokenizer
 
             official = get_official_model_name(name)
+            remote = official.startswith(NEED_REMOTE_CODE_MODELS)  # what TL itself passes for this name
             kwargs["tokenizer"] = _tokenizer_with(
-                lambda **kw: AutoTokenizer.from_pretrained(official, **kw), special_tokens, name
+                lambda **kw: AutoTokenizer.from_pretrained(official, trust_remote_code=remote, **kw),
+                special_tokens,
+                name,
             )
         model = cls.from_pretrained(name, device=device, dtype=dtype, fold_ln=fold_ln, **kwargs)
     except OSError as err:  # hub unreachable, or files missing from the local hub cache
@@ -934,22 +984,271 @@ def _architecture(config: Any) -> str:
 
 
 def _check_tl_supports(architecture: str, source: Path) -> None:
+    """Refuse, in one line, a model class ``load_model`` cannot build from a folder or GGUF with the
+    installed TL (:func:`_tl_architectures`), saying why and the route that works, if any."""
     supported = _tl_architectures()
-    if supported and architecture not in supported:  # none found: TL's code changed; let TL decide
+    if not supported or architecture in supported:  # none found: TL's code changed; let TL decide
+        return
+    if architecture in _TL_NAME_ONLY:
         raise ValueError(
-            f"{source} is a {architecture}, which TransformerLens's HookedTransformer cannot load; it "
-            f"supports {', '.join(supported)}"
+            f"{source} is a {architecture}: TransformerLens {_version('transformer-lens')} builds it only "
+            "from an official model name's hard-coded config, not from a folder's config.json; load it by "
+            f"that name instead: load_model({_TL_NAME_ONLY[architecture]!r}) (weights from the Hugging Face "
+            "hub)"
         )
+    raise ValueError(
+        f"{source} is a {architecture}, which TransformerLens's HookedTransformer cannot load; it "
+        f"supports {', '.join(supported)}"
+    )
 
 
+# Classes TL 3.9 converts but builds only from an official name (convert_hf_model_config picks their
+# config by name prefix and never reads a folder's config.json): the name to load one by.
+_TL_NAME_ONLY = {
+    "OlmoForCausalLM": "allenai/OLMo-1B-hf",
+    "Olmo2ForCausalLM": "allenai/OLMo-2-0425-1B",
+}
+# Classes whose code is a hub repository's own (config.json's auto_map), which TL loads by name only,
+# running that code: the name.
+_REMOTE_CODE_TL_NAMES = {
+    "GPT2LMHeadCustomModel": "bigcode/santacoder",
+    "QWenLMHeadModel": "Qwen/Qwen-1_8B",
+}
+
+
+def _version(package: str) -> str:
+    from importlib.metadata import version
+
+    return version(package)
+
+
+@functools.lru_cache(maxsize=1)
 def _tl_architectures() -> list[str]:
-    """The language-model classes the installed TL converts weights for, read from its dispatch in
-    ``get_pretrained_state_dict`` (so the list follows the installed version)."""
-    from transformer_lens import loading_from_pretrained
+    """The language-model classes ``load_model`` builds from a local folder or GGUF with the installed TL
+    (read from its code, so the list follows the installed version): those TL converts weights for (the
+    dispatch in ``get_pretrained_state_dict``) and reads a folder's config.json for (the
+    ``architecture == ...`` branches of ``convert_hf_model_config``; Gemma-1/2/3 through a template name,
+    ``_BY_NAME_ONLY``), that transformers itself implements (a repository's own code is never run) and whose
+    MLPs are dense (mixtures of experts are refused: ``records.check_dense``)."""
+    from transformer_lens import loading_from_pretrained as tl
 
-    source = inspect.getsource(loading_from_pretrained.get_pretrained_state_dict)
-    names = set(re.findall(r'original_architecture == "(\w+)"', source))
-    return sorted(n for n in names if "CausalLM" in n or "LMHead" in n)
+    converted = set(
+        re.findall(r'original_architecture == "(\w+)"', inspect.getsource(tl.get_pretrained_state_dict))
+    )
+    from_config = set(re.findall(r'\barchitecture == "(\w+)"', inspect.getsource(tl.convert_hf_model_config)))
+    names = converted & (from_config | set(_BY_NAME_ONLY))
+    return sorted(
+        n
+        for n in names
+        if ("CausalLM" in n or "LMHead" in n) and _transformers_class(n) and not _moe_class(n)
+    )
+
+
+def _transformers_class(architecture: str) -> bool:
+    """Whether transformers itself implements the model class ``architecture`` (no remote code)."""
+    import transformers
+
+    try:
+        return isinstance(getattr(transformers, architecture, None), type)
+    except Exception:  # a lazy import that fails (a missing optional dependency)
+        return False
+
+
+def _moe_class(architecture: str) -> bool:
+    """Whether transformers' config of ``architecture``, with its defaults, has a mixture-of-experts MLP."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    model_type = next((t for t, a in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items() if a == architecture), None)
+    try:
+        config = CONFIG_MAPPING[model_type]()
+    except Exception:  # unknown model type, or a config that needs arguments
+        return False
+    return bool(getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None))
+
+
+def _check_own_code(folder: Path) -> None:
+    """Refuse, before transformers reads it (it would ask "Do you wish to run the custom code? [y/N]"), a
+    folder whose model class is not transformers' own but its repository's code (config.json's
+    ``auto_map``; santacoder's ``GPT2LMHeadCustomModel``, Qwen-1's ``QWenLMHeadModel``): one line with the
+    class, why, and the route that works (a TransformerLens name, or none). A folder of a class transformers
+    implements loads with transformers' code even when its config.json also has an ``auto_map`` (Phi-3's
+    hub folders do)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    try:
+        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return  # transformers says what is wrong with it
+    architecture = (config.get("architectures") or [None])[0]
+    model_type = config.get("model_type")
+    native_type = model_type in CONFIG_MAPPING_NAMES
+    if native_type and (architecture is None or _transformers_class(architecture)):
+        return
+    auto_map = config.get("auto_map") or {}
+    code = auto_map.get("AutoModelForCausalLM") or auto_map.get("AutoConfig")
+    what = architecture or f"model_type={model_type!r}"
+    if code:
+        why = (
+            f"its code is the repository's own (config.json auto_map: {code}), not transformers', and "
+            "mxd-lens never runs a model folder's code (trust_remote_code=False)"
+        )
+    else:
+        why = f"transformers {_version('transformers')} has no such model class (model_type={model_type!r})"
+    name = _REMOTE_CODE_TL_NAMES.get(architecture or "")
+    route = (
+        f"TransformerLens loads it by name, fetching and running that code from the hub: load_model({name!r})"
+        if name
+        else "no route here: neither transformers nor TransformerLens has this class"
+    )
+    raise ValueError(f"{folder} is a {what}: {why}; {route}")
+
+
+# The load check (``load_model(check_load=True)``): log-probs of TL and transformers on a few tokens through
+# the first blocks (docs/models.md, "The load check").
+LOAD_CHECK_BLOCKS = 2
+LOAD_CHECK_TOKENS = 8
+
+
+def load_check_tolerance(dtype: torch.dtype, largest_logit: float) -> float:
+    """The largest |Δ log-prob| the load check allows: 1e-3, or in a half dtype 8 rounding units
+    (``finfo.eps``) of the largest |logit| if more. A correct conversion differs by rounding only: on the
+    tiny test models about 5e-7 in float32, and 1.3 rounding units of the largest |logit| in bfloat16 and
+    float16 (both models round, in a different order)."""
+    return max(1e-3, 8 * torch.finfo(dtype).eps * max(1.0, largest_logit))
+
+
+def _check_conversion(model: Any, hf_model: Any, architecture: str, source: Any) -> None:
+    """Refuse a converted model that does not compute what transformers' does: TL's and transformers'
+    log-probs on ``LOAD_CHECK_TOKENS`` fixed tokens, both models cut to their first ``LOAD_CHECK_BLOCKS``
+    blocks (final norm and unembedding after them), so the check costs little at any size. A converter that
+    drops a weight (TL 3.9's Llama converter zeroes ``attention_bias`` / ``mlp_bias`` biases) or ignores a
+    setting (a rope scaling it does not implement) differs there already: ValueError naming the family, the
+    difference and the override (``check_load=False``, ``--no-load-check``)."""
+    n = min(LOAD_CHECK_BLOCKS, model.cfg.n_layers)
+    vocab = min(model.cfg.d_vocab, int(getattr(hf_model.config, "vocab_size", None) or model.cfg.d_vocab))
+    tokens = torch.randint(0, vocab, (1, LOAD_CHECK_TOKENS), generator=torch.Generator().manual_seed(0))
+    try:
+        with torch.inference_mode():
+            theirs, n = _hf_first_blocks(hf_model, tokens, n, model.cfg.n_layers)
+            ours = _tl_first_blocks(model, tokens, n)
+    except (RuntimeError, NotImplementedError) as err:
+        if model.cfg.dtype not in (torch.float16, torch.bfloat16):
+            raise
+        # an operation this device lacks in this dtype: _check_runs refuses TL's model next, if it is TL's
+        log.warning(
+            "mxd_lens: the load check of %s could not run in %s on %s: %s",
+            source,
+            _dtype_name(model.cfg.dtype),
+            model.cfg.device,
+            str(err).splitlines()[0] if str(err) else type(err).__name__,
+        )
+        return
+    width = min(ours.shape[-1], theirs.shape[-1])
+    ours, theirs = ours[..., :width].float(), theirs[..., :width].float()
+    diff = float((ours.log_softmax(-1) - theirs.log_softmax(-1)).abs().max())
+    tolerance = load_check_tolerance(model.cfg.dtype, float(theirs.abs().max()))
+    if not diff <= tolerance:  # NaN too
+        blocks = "all its blocks" if n == model.cfg.n_layers else f"its first {n} blocks"
+        raise ValueError(
+            f"{source} ({architecture}): TransformerLens's conversion does not compute what transformers' "
+            f"model does: on {LOAD_CHECK_TOKENS} tokens through {blocks} their log-probs differ by up to "
+            f"{diff:.3g} (allowed in {_dtype_name(model.cfg.dtype)}: {tolerance:g})"
+            f"{_unconverted_settings(hf_model.config)}. TL's converter drops or misreads part of this model, "
+            "so its activations would not be the model's; to load it anyway: load_model(..., "
+            "check_load=False), --no-load-check"
+        )
+    log.debug("load check of %s: max |Δ log-prob| %.2e through %d blocks", source, diff, n)
+
+
+def _tl_first_blocks(model: Any, tokens: torch.Tensor, n: int) -> torch.Tensor:
+    """TL's logits of ``tokens`` with only blocks 0..n-1 run (the final norm, unembedding and soft cap
+    after them), on the CPU."""
+    from transformer_lens.utilities.activation_functions import apply_softcap
+
+    tokens = tokens.to(model.cfg.device)
+    if n >= model.cfg.n_layers:
+        return model(tokens).cpu()
+    residual = model(tokens, stop_at_layer=n)
+    if model.cfg.normalization_type is not None:
+        residual = model.ln_final(residual)
+    return apply_softcap(model.unembed(residual), model.cfg.output_logits_soft_cap).cpu()
+
+
+def _hf_first_blocks(hf_model: Any, tokens: torch.Tensor, n: int, n_layers: int) -> tuple[torch.Tensor, int]:
+    """transformers' logits of ``tokens`` with only its first ``n`` decoder layers (its layer list cut for
+    the call, then restored), and ``n``; the whole model (``n_layers``) where no layer list of that length is
+    found or the cut model does not run."""
+    device = next(hf_model.parameters()).device
+    tokens = tokens.to(device)
+    lists = [
+        (name, m)
+        for name, m in hf_model.named_modules()
+        if isinstance(m, torch.nn.ModuleList) and len(m) == n_layers
+    ]
+    if n < n_layers and lists:
+        name, layers = min(lists, key=lambda item: item[0].count("."))
+        owner = hf_model.get_submodule(name.rpartition(".")[0]) if "." in name else hf_model
+        attribute = name.rpartition(".")[2]
+        setattr(owner, attribute, torch.nn.ModuleList(list(layers)[:n]))
+        try:
+            return hf_model(tokens, use_cache=False).logits.cpu(), n
+        except Exception as err:  # a model whose forward needs every layer: compare the whole model
+            log.debug(
+                "load check: %s does not run cut to %d layers (%s); comparing all",
+                type(hf_model).__name__,
+                n,
+                err,
+            )
+        finally:
+            setattr(owner, attribute, layers)
+    return hf_model(tokens, use_cache=False).logits.cpu(), n_layers
+
+
+def _unconverted_settings(hf_config: Any) -> str:
+    """The config settings TL's converters are known to drop, where set (a hint for the load check's
+    message)."""
+    found = [f"{key}=True" for key in ("attention_bias", "mlp_bias") if getattr(hf_config, key, None) is True]
+    rope = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
+    rope_type = rope.get("rope_type") or rope.get("type") if isinstance(rope, dict) else None
+    if rope_type not in (None, "default", "llama3"):
+        found.append(f"rope_type={rope_type!r}")
+    return f" (its config.json sets {', '.join(found)})" if found else ""
+
+
+def _biases_from_hf(state_dict: dict[str, torch.Tensor], cfg: Any, hf_model: Any, source: Any) -> None:
+    """Put into ``state_dict`` the attention and MLP biases a Llama-style transformers model has
+    (``attention_bias``, ``mlp_bias``: ``model.layers[l].self_attn.{q,k,v,o}_proj.bias``,
+    ``mlp.{up,down}_proj.bias``) where TL's converter wrote zeros for them (TL 3.9's Llama and Apertus
+    converters do). A gated MLP's ``gate_proj`` / ``up_proj`` bias has no place in TL's gated MLP (its b_in is
+    added after the product act(x W_gate) * (x W_in)): ValueError naming ``mlp_bias``."""
+    layers = getattr(getattr(hf_model, "model", None), "layers", None)
+    if layers is None or len(layers) != cfg.n_layers:
+        return
+
+    def bias(module: Any, name: str) -> torch.Tensor | None:
+        b = getattr(getattr(module, name, None), "bias", None)
+        return None if b is None or not bool(b.detach().ne(0).any()) else b.detach()
+
+    def put(key: str, value: torch.Tensor) -> None:
+        if key in state_dict and not bool(state_dict[key].ne(0).any()):
+            state_dict[key] = value.reshape(state_dict[key].shape).to(state_dict[key].dtype)
+
+    for l, layer in enumerate(layers):
+        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        for proj, key in (("q_proj", "b_Q"), ("k_proj", "b_K"), ("v_proj", "b_V"), ("o_proj", "b_O")):
+            if (b := bias(attn, proj)) is not None:
+                put(f"blocks.{l}.attn.{'_' if f'blocks.{l}.attn._{key}' in state_dict else ''}{key}", b)
+        if cfg.gated_mlp and (bias(mlp, "gate_proj") is not None or bias(mlp, "up_proj") is not None):
+            raise ValueError(
+                f"{source}: its config.json sets mlp_bias=True, and its gate_proj / up_proj biases have no "
+                "place in TransformerLens's gated MLP (act(x W_gate) * (x W_in) + b_in: one bias, after the "
+                "product); mxd-lens cannot load this model as it computes"
+            )
+        if not cfg.gated_mlp and (b := bias(mlp, "up_proj")) is not None:
+            put(f"blocks.{l}.mlp.b_in", b)
+        if (b := bias(mlp, "down_proj")) is not None:
+            put(f"blocks.{l}.mlp.b_out", b)
 
 
 def _gguf_architecture(path: Path) -> str:

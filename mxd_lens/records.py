@@ -234,11 +234,12 @@ def _source(model: Any) -> dict[str, Any]:
 
 
 def loadable_name(model: Any) -> str:
-    """The name a layer made for ``model`` records as its ``metadata.model_name``: one to load the host
-    by. The default model's ``"smollm2-135m"``; for a TransformerLens name, that name; for a .gguf file
-    or folder, its Hugging Face hub id when its metadata names it (``hub_id`` in its source, see
-    ``mxd_lens.models.load_model``), else its ``cfg.model_name`` (the file's stem or the folder's name);
-    for a model ``load_model`` did not load, its ``cfg.model_name``."""
+    """The name a layer made for ``model`` records as its ``metadata.model_name``: the host's name. The
+    default model's ``"smollm2-135m"``; for a TransformerLens name, that name (both load with
+    ``load_model``); for a .gguf file or folder, its Hugging Face hub id when its metadata names it
+    (``hub_id`` in its source, see ``mxd_lens.models.load_model``; loadable where TL knows it), else its
+    ``cfg.model_name`` (the file's stem or the folder's name: a label, which ``load_model`` refuses; the
+    training record keeps the path); for a model ``load_model`` did not load, its ``cfg.model_name``."""
     source = _source(model)
     if source.get("kind") == "default":
         return DEFAULT_MODEL_ALIASES[0]

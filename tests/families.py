@@ -1,20 +1,25 @@
-"""Tiny random models of every MLP-bearing family TransformerLens 3.9 converts, built the way TL converts
-that family (tests/test_families.py checks each guarantee of the docs on them).
+"""Tiny random models of every MLP-bearing causal-LM class TransformerLens 3.9 converts (its weight dispatch,
+``get_pretrained_state_dict``: tests/test_families.py checks that each has a row), and feature rows (Llama
+with one setting changed: MQA, rope scaling, a decoupled head size, the bias flags, bfloat16), built the way
+TL converts that family (tests/test_families.py checks each guarantee of the docs on them).
 
 Preferred route (``route="folder"``): a tiny random *transformers* model of the family (hidden 32, 3
 layers, 4 heads, the word tokenizer of tests/conftest.py), every parameter drawn from N(0, 0.2) (norms and
 biases non-trivial), saved with ``save_pretrained`` and loaded with ``mxd_lens.models.load_model(folder)``:
 exactly how a user's local folder is converted (TL's ``get_pretrained_model_config`` +
 ``get_pretrained_state_dict``). OLMo-2 (``route="tl_config"``): TL 3.9 builds it from an official name
-only (a folder raises NotImplementedError, and the name's config comes from the hub), so its
+only (load_model refuses a folder, naming the name, and the name's config comes from the hub), so its
 ``HookedTransformerConfig`` holds the fields TL's OLMo-2 branch sets (sizes from the folder's config) and
-its weights come from TL's own ``convert_olmo2_weights`` on the transformers model. Mixtral
+its weights come from TL's own ``convert_olmo2_weights`` on the transformers model. Mixtral, OLMoE, GPT-OSS
 (``route="moe"``): built by TL's own config and weight conversion (what load_model would do), so the
-refusals can be checked on the real MoE block.
+refusals can be checked on the real MoE block. ``route="refused"``: a folder load_model refuses in one line
+(OLMo-1, TL by name only; santacoder and Qwen-1, remote code, written as their config.json alone; settings
+TL's converter cannot hold or ignores), the refusal being what is checked.
 """
 
 from __future__ import annotations
 
+import json
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,11 +39,17 @@ class Family:
     config: str  # transformers config class
     arch: str  # transformers model class
     kwargs: dict[str, Any]  # config fields besides vocab_size (and the special-token ids)
-    route: str = "folder"  # "folder": load_model(folder); "tl_config": see the module doc; "moe": refused
+    route: str = "folder"  # "folder": load_model(folder); "tl_config": see the module doc; "moe": refused;
+    # "refused": load_model(folder) refuses it (ValueError containing ``refusal``), nothing else applies
     notes: str = ""  # what the row is, how it is built, what TL does with it
     tags: tuple[str, ...] = field(
         default=()
-    )  # "softcap": final logit soft-cap (attribution linearises it at the prompt)
+    )  # "softcap": final logit soft-cap (attribution linearises it at the prompt); "transcoders": a host
+    # no MxD is built on (xIELU), every check with transcoders only
+    dtype: str = "float32"  # load_model's dtype (the transformers reference runs in it too)
+    raw: dict[str, Any] | None = None  # a config.json written as it is (remote code: no transformers class)
+    refusal: str = ""  # route "refused": what load_model's one-line refusal must say
+    cell: str = ""  # route "refused": the load cell's text
 
 
 def _attn(**extra: Any) -> dict[str, Any]:
@@ -116,6 +127,82 @@ FAMILIES: list[Family] = [
            notes="MoE MLP (TL's MoE, 4 experts, 2 active): refused by name wherever a layer would be built, "
                  "cached from or spliced in, and at load_model"),
 ]  # fmt: skip
+
+_LLAMA = FAMILIES[[f.key for f in FAMILIES].index("llama")].kwargs
+_REMOTE = "its code is the repository's own"
+FAMILIES += [
+    Family("olmo3", "OLMo-3", "Olmo3Config", "Olmo3ForCausalLM",
+           _attn(intermediate_size=2 * D_MODEL, num_key_value_heads=2, sliding_window=4, pad_token_id=None),
+           notes="post-norm block (ln2 after the MLP: layers write the MLP module), QK-norm, sliding-window and "
+                 "full attention layers; a local folder loads (TL 3.9 reads its config.json)"),
+    Family("apertus", "Apertus", "ApertusConfig", "ApertusForCausalLM",
+           _attn(intermediate_size=2 * D_MODEL, num_key_value_heads=2, pad_token_id=None), tags=("transcoders",),
+           notes="xIELU MLP (ungated), QK-norm: xIELU has trained parameters per MLP (alpha_p, alpha_n), which "
+                 "no MxD holds, so MxD is refused by name and every check runs with the transcoders "
+                 "(transcoder, skip_transcoder, batchtopk_transcoder)"),
+    Family("olmo", "OLMo-1", "OlmoConfig", "OlmoForCausalLM", _attn(intermediate_size=2 * D_MODEL, pad_token_id=None),
+           route="refused", refusal="load_model('allenai/OLMo-1B-hf')", cell="refused: TL builds it by name only",
+           notes="TL 3.9 picks OLMo-1's config by official name only and never reads a folder's config.json: "
+                 "load_model refuses the folder in one line, naming the TL name to load instead"),
+    Family("santacoder", "santacoder", "", "GPT2LMHeadCustomModel", {}, route="refused",
+           raw={"architectures": ["GPT2LMHeadCustomModel"], "model_type": "gpt2",
+                "auto_map": {"AutoConfig": "configuration_gpt2_mq.GPT2CustomConfig",
+                             "AutoModelForCausalLM": "modeling_gpt2_mq.GPT2LMHeadCustomModel"},
+                "attention_head_type": "multiquery", "n_embd": D_MODEL, "n_head": N_HEADS, "n_layer": N_LAYERS,
+                "n_positions": N_CTX, "vocab_size": 100},
+           refusal=f"{_REMOTE} (config.json auto_map: modeling_gpt2_mq.GPT2LMHeadCustomModel)",
+           cell="refused: remote code",
+           notes="bigcode/santacoder's class is its repository's code (auto_map; model_type gpt2, which "
+                 "transformers would otherwise read as GPT-2): refused in one line before transformers reads the "
+                 "folder (no trust_remote_code prompt), naming TL's route, load_model('bigcode/santacoder'), "
+                 "which fetches and runs that code (not run here: no hub)"),
+    Family("qwen1", "Qwen-1", "", "QWenLMHeadModel", {}, route="refused",
+           raw={"architectures": ["QWenLMHeadModel"], "model_type": "qwen",
+                "auto_map": {"AutoConfig": "configuration_qwen.QWenConfig",
+                             "AutoModelForCausalLM": "modeling_qwen.QWenLMHeadModel"},
+                "hidden_size": D_MODEL, "num_attention_heads": N_HEADS, "num_hidden_layers": N_LAYERS,
+                "seq_length": N_CTX, "vocab_size": 100},
+           refusal=f"{_REMOTE} (config.json auto_map: modeling_qwen.QWenLMHeadModel)", cell="refused: remote code",
+           notes="Qwen-1 (model_type qwen) exists only as its repository's code: refused in one line, naming TL's "
+                 "route, load_model('Qwen/Qwen-1_8B') (runs that code; not run here: no hub)"),
+    Family("olmoe", "OLMoE", "OlmoeConfig", "OlmoeForCausalLM",
+           _attn(intermediate_size=2 * D_MODEL, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+                 pad_token_id=None), route="moe",
+           notes="MoE MLP (TL's MoE, 4 experts, 2 active): refused as Mixtral is"),
+    Family("gpt_oss", "GPT-OSS", "GptOssConfig", "GptOssForCausalLM",
+           _attn(intermediate_size=2 * D_MODEL, num_key_value_heads=2, head_dim=D_HEAD, num_local_experts=4,
+                 num_experts_per_tok=2, sliding_window=4, pad_token_id=None), route="moe",
+           notes="MoE MLP (TL's MoE, 4 experts, 2 active), attention sinks: refused as Mixtral is"),
+    # feature rows: Llama with one setting changed
+    Family("llama_mqa", "Llama, MQA", "LlamaConfig", "LlamaForCausalLM", {**_LLAMA, "num_key_value_heads": 1},
+           notes="multi-query attention: one key/value head for 4 query heads"),
+    Family("llama_rope3", "Llama, rope scaling (llama3)", "LlamaConfig", "LlamaForCausalLM",
+           {**_LLAMA, "rope_parameters": {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
+                                          "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                          "original_max_position_embeddings": 8}},
+           notes="Llama-3.1's rope scaling (factor 8, original context 8), which TL implements "
+                 "(NTK-by-parts)"),
+    Family("llama_rope_linear", "Llama, rope scaling (linear)", "LlamaConfig", "LlamaForCausalLM",
+           {**_LLAMA, "rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}},
+           route="refused", refusal="log-probs differ by up to", cell="refused: the load check",
+           notes="linear rope scaling, which TL 3.9's Llama branch ignores (log-probs 0.01 off on the 12-token "
+                 "prompts): the load check refuses it, naming the difference and --no-load-check"),
+    Family("llama_head_dim", "Llama, head_dim ≠ d_model / heads", "LlamaConfig", "LlamaForCausalLM",
+           {**_LLAMA, "head_dim": 2 * D_HEAD},
+           notes="a head size of 16 with d_model 32 and 4 heads (TL 3.9's Llama branch takes 8: load_model "
+                 "reads head_dim)"),
+    Family("llama_attention_bias", "Llama, attention_bias", "LlamaConfig", "LlamaForCausalLM",
+           {**_LLAMA, "attention_bias": True},
+           notes="Q/K/V/O biases, which TL 3.9's Llama converter zeroes: load_model copies them into TL's b_Q, "
+                 "b_K, b_V, b_O"),
+    Family("llama_mlp_bias", "Llama, mlp_bias", "LlamaConfig", "LlamaForCausalLM", {**_LLAMA, "mlp_bias": True},
+           route="refused", refusal="sets mlp_bias=True", cell="refused: mlp_bias",
+           notes="gate/up/down biases: TL's gated MLP has one bias, after the product, so gate_proj and up_proj "
+                 "biases have no place (TL 3.9 zeroes them: log-probs 1.0 off); refused by name"),
+    Family("llama_bf16", "Llama, bfloat16", "LlamaConfig", "LlamaForCausalLM", _LLAMA, dtype="bfloat16",
+           notes="the Llama row loaded with dtype='bfloat16' (the transformers reference in bfloat16 too); "
+                 "layers built on it are float32 (from_mlp: in the host's dtype)"),
+]  # fmt: skip
 BY_KEY = {f.key: f for f in FAMILIES}
 
 TOKENIZER_TEXT = " ".join(WORDS)
@@ -144,9 +231,14 @@ def hf_model(family: Family, seed: int = 0):
 
 
 def hf_folder(root: Path, family: Family, seed: int = 0) -> tuple[Path, Any]:
-    """``family``'s tiny model saved as a Hugging Face folder ``root / family.key`` (with its tokenizer)."""
-    model, tok = hf_model(family, seed)
+    """``family``'s tiny model saved as a Hugging Face folder ``root / family.key`` (with its tokenizer); a
+    ``raw`` family's config.json alone (its class is no transformers class: no model)."""
     folder = Path(root) / family.key
+    if family.raw is not None:
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "config.json").write_text(json.dumps(family.raw))
+        return folder, None
+    model, tok = hf_model(family, seed)
     model.save_pretrained(folder)
     tok.save_pretrained(folder)
     return folder, model
@@ -199,7 +291,7 @@ def build(root: Path, family: Family) -> tuple[Any, Any, Path]:
 
     folder, hf = hf_folder(root, family)
     if family.route == "folder":
-        return load_model(str(folder)), hf, folder
+        return load_model(str(folder), dtype=family.dtype), hf, folder
     if family.route == "tl_config":
         return olmo2_from_tl_config(folder, hf), hf, folder
     if family.route == "moe":

@@ -85,7 +85,9 @@ def test_glu_form_matches_its_equation(x):
         torch.testing.assert_close(mxd(x), expected, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("activation", ["relu", "gelu", "gelu_new", "gelu_fast", "gelu_pytorch_tanh", "silu"])
+@pytest.mark.parametrize(
+    "activation", ["relu", "gelu", "gelu_new", "gelu_fast", "gelu_pytorch_tanh", "silu", "relu2", "solu"]
+)
 def test_each_activation_is_the_host_function(x, activation):
     from transformer_lens.utilities.activation_functions import SUPPORTED_ACTIVATIONS
 
