@@ -1,28 +1,30 @@
 """Memory of loading a host model in each dtype (issue 57): peak RSS of ``load_model(path, dtype=...)``
 and of loading plus one forward pass, for a random-weight Llama of about 1B parameters, as a Hugging
-Face folder and as a GGUF, in float32 and bfloat16; and the forward's speed in bfloat16 against float32.
+Face folder and as a GGUF, in bfloat16 and float32; and the forward's speed in bfloat16 against float32.
 
-    python benchmarks/load_memory.py DIR                  # build the models into DIR once, measure
-    python benchmarks/load_memory.py DIR --only folder    # the folder only (or gguf)
-    python benchmarks/load_memory.py DIR --dtypes bfloat16
-    python benchmarks/load_memory.py DIR --shape tiny     # a few seconds: a tiny model, same steps
+    python benchmarks/load_memory.py DIR                        # build the models into DIR once, measure
+    python benchmarks/load_memory.py DIR --before 2879497       # also load_model as of that commit
+    python benchmarks/load_memory.py DIR --only folder --dtypes bfloat16
+    python benchmarks/load_memory.py DIR --shape tiny           # seconds: a tiny model, the same steps
 
-DIR (outside the repository) receives ``folder/`` (config.json, tokenizer, float32 safetensors shards,
-as ``save_pretrained`` writes them) and ``model.gguf`` (the same weights in F16, written with gguf's
-``GGUFWriter``, Q and K in llama.cpp's rotary layout), and a private ``MXD_LENS_CACHE`` (``cache/``)
-for the GGUF's converted folder. The default shape, ``1b``: d_model 2048, 20 layers, 32 heads / 4 KV
-heads, gated SiLU MLP of width 5632, vocabulary 32,000, untied unembedding: 1,012,199,424 parameters.
+DIR (outside the repository) receives ``folder/`` (config.json, tokenizer, float32 safetensors shards and
+their index, as ``save_pretrained`` writes them) and ``model.gguf`` (the same weights in F16, norms in F32,
+written with gguf's ``GGUFWriter``, Q and K rows in llama.cpp's rotary order), and private
+``MXD_LENS_CACHE`` folders (``cache/``, ``cache-COMMIT/``) for the GGUF's converted folder. The default
+shape, ``1b``: d_model 2048, 20 layers, 32 heads / 4 KV heads, gated SiLU MLP of width 5632, vocabulary
+32,000, untied unembedding: 1,011,959,808 parameters.
 
-Every measurement runs in a fresh subprocess (``--child``), one at a time, and reads its own peak
-resident set, ``resource.getrusage(RUSAGE_SELF).ru_maxrss`` (resident pages of files it maps count too),
-after (a) ``load_model(path, dtype=...)``, then (b) one forward pass of 128 tokens. The GGUF's first
-load converts it (to a float32 folder in the cache, once); it is measured as its own row, then the
-loads that read the converted folder. The table gives the parameters' bytes in that dtype (W) and
-peak / (2 W + 1 GiB): the target is at most 1.
+Every measurement runs in a fresh subprocess (``--child``), one at a time, and reads its own peak resident
+set, ``resource.getrusage(RUSAGE_SELF).ru_maxrss`` (resident pages of files it maps count too), after (a)
+``load_model(path, dtype=...)``, then (b) one forward pass of 128 tokens. The GGUF's first load converts
+it (to a float32 folder in the cache, once): its own row, before the loads that read the converted folder.
+The table gives the weights' bytes in that dtype (W) and peak / (2 W + 1 GiB): the target is at most 1.
+``--before COMMIT`` runs the same rows first with ``mxd_lens/models.py`` as of COMMIT (``git show``;
+the rest of mxd_lens as checked out).
 
-Speed: each forward child then times ``--repeats`` more forwards of the same 128 tokens (batch 1,
-median, after the measured one); the last table puts bfloat16's median beside float32's, from the
-same run, one process after the other.
+Speed: each forward child then times ``--repeats`` more forwards of the same 128 tokens (batch 1) in wall
+and CPU time (``time.process_time``: less sensitive to other jobs); the last table puts bfloat16's median
+beside float32's, over every forward row of this checkout in the run.
 """
 
 from __future__ import annotations

@@ -165,7 +165,10 @@ def read_hf_model(folder: Path, config: Any, dtype: torch.dtype) -> Any:
     from transformers.models.auto.auto_factory import _get_model_class
 
     files = safetensors_files(folder)
-    model_class = _get_model_class(config, AutoModelForCausalLM._model_mapping)
+    try:
+        model_class = _get_model_class(config, AutoModelForCausalLM._model_mapping)
+    except KeyError:  # a config class transformers maps to no causal LM: its own error, below
+        model_class = files = None
     state = None
     if files is not None and getattr(config, "quantization_config", None) is None:
         state = lazy_state_dict(files, dtype, _kept_in_float32(model_class, dtype))
