@@ -133,11 +133,17 @@ def test_each_metric_is_described_once_and_each_architecture_label_only_in_the_r
     if done.returncode not in (0, 1):
         pytest.skip("not a git checkout")
     assert len(done.stdout.splitlines()) == 1, done.stdout
-    # labels are set once, on the layer classes (the registry reads them); nothing else spells or compares one
-    for pattern in ('label = "', '"Skip transcoder"', '"TopK transcoder"', '== "MxD"', '!= "MxD"'):
+    # the built-in labels are spelled once, in the torch-free table the layer classes read theirs from
+    # (saved_layers.BUILT_IN); only a layer class sets one; nothing else spells or compares one
+    for pattern, where in (('label = "', "mxd_lens/layers/"), ('"Skip transcoder"', "mxd_lens/saved_layers.py"),
+                           ('"Transcoder"', "mxd_lens/saved_layers.py"), ('== "MxD"', "mxd_lens/layers/"),
+                           ('!= "MxD"', "mxd_lens/layers/")):  # fmt: skip
         found = subprocess.run(["git", "grep", "-n", pattern, "--", "mxd_lens"], cwd=root, capture_output=True,
                                text=True).stdout.splitlines()  # fmt: skip
-        assert all(line.startswith("mxd_lens/layers/") for line in found), found
+        assert all(line.startswith(where) for line in found), found
+    labels = subprocess.run(["git", "grep", "-c", '"Skip transcoder"', "--", "mxd_lens"], cwd=root,
+                            capture_output=True, text=True).stdout.split()  # fmt: skip
+    assert labels == ["mxd_lens/saved_layers.py:1"], labels
 
 
 PLUG_TABLE = '''

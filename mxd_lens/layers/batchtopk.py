@@ -40,6 +40,7 @@ from typing_extensions import override
 
 from mxd_lens.layers import ops
 from mxd_lens.layers.base import LayerConfig, MLPReplacement
+from mxd_lens.saved_layers import BUILT_IN  # the built-in labels, spelled once (read without torch)
 
 
 @dataclass
@@ -70,7 +71,7 @@ class BatchTopKTranscoder(MLPReplacement[BatchTopKTranscoderConfig]):
     """BatchTopK transcoder: batch-level TopK in training, JumpReLU at the learned threshold otherwise."""
 
     config_class = BatchTopKTranscoderConfig
-    label = "BatchTopK transcoder"
+    label = BUILT_IN["mxd_lens.batchtopk_transcoder"].label
     needs_decode_context = False
     W_enc: nn.Parameter
     b_enc: nn.Parameter

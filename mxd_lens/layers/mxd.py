@@ -43,6 +43,7 @@ from typing_extensions import override
 
 from mxd_lens.layers.base import LayerConfig, MLPReplacement, uniform_
 from mxd_lens.layers.nonlinearity import get_activation
+from mxd_lens.saved_layers import BUILT_IN  # the built-in labels, spelled once (read without torch)
 
 if TYPE_CHECKING:
     from transformer_lens import HookedTransformer
@@ -118,7 +119,7 @@ class MxD(MLPReplacement[MxDConfig]):
     """A sparse mixture of N full-rank linear experts over the host MLP's hidden layer."""
 
     config_class = MxDConfig
-    label = "MxD"
+    label = BUILT_IN["mxd_lens.mxd"].label
 
     W_in: nn.Parameter
     b_in: nn.Parameter

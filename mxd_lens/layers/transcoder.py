@@ -17,6 +17,7 @@ from torch import nn
 from typing_extensions import override
 
 from mxd_lens.layers.base import LayerConfig, MLPReplacement
+from mxd_lens.saved_layers import BUILT_IN  # the built-in labels, spelled once (read without torch)
 
 
 @dataclass
@@ -39,7 +40,7 @@ class TopKTranscoder(MLPReplacement[TopKTranscoderConfig]):
     """TopK transcoder: a sparse dictionary from the MLP input to the MLP output."""
 
     config_class = TopKTranscoderConfig
-    label = "Transcoder"
+    label = BUILT_IN["mxd_lens.topk_transcoder"].label
     needs_decode_context = False
     W_enc: nn.Parameter
     b_enc: nn.Parameter
@@ -60,7 +61,7 @@ class TopKSkipTranscoder(MLPReplacement[TopKSkipTranscoderConfig]):
     """TopK transcoder plus a dense linear skip path ``x W_skip``."""
 
     config_class = TopKSkipTranscoderConfig
-    label = "Skip transcoder"
+    label = BUILT_IN["mxd_lens.skip_transcoder"].label
     # The decoder starts at zero: unit rows are undefined there (NaN in the reference).
     unit_norm_decoder = False
 
