@@ -52,13 +52,18 @@ _SAFETENSORS_DTYPES = {
 
 def _read_into(f: Any, offset: int, out: torch.Tensor) -> None:
     """Fill the contiguous tensor ``out`` with the bytes of the open file ``f`` from ``offset``."""
-    view = memoryview(out.view(-1).view(torch.uint8).numpy())
+    _fill(f, offset, memoryview(out.view(-1).view(torch.uint8).numpy()), f"a tensor at byte {offset}")
+
+
+def _fill(f: Any, offset: int, view: memoryview, what: str) -> None:
+    """Read ``len(view)`` bytes of the open file ``f`` from ``offset`` into ``view``; an OSError naming the
+    file and ``what`` if it ends first."""
     f.seek(offset)
     done = 0
     while done < len(view):
         n = f.readinto(view[done:])
         if not n:
-            raise OSError(f"{f.name}: ends {len(view) - done} bytes short of a tensor at byte {offset}")
+            raise OSError(f"{f.name}: ends {len(view) - done} bytes short of {what}")
         done += n
 
 
@@ -237,14 +242,7 @@ def _read_gguf_tensor(f: Any, tensor: Any) -> np.ndarray:
         raise ValueError(
             f"GGUF tensor {tensor.name}: {out.nbytes} bytes expected, the file says {tensor.n_bytes}"
         )
-    view = memoryview(out.reshape(-1).view(np.uint8))
-    f.seek(tensor.data_offset)
-    done = 0
-    while done < len(view):
-        n = f.readinto(view[done:])
-        if not n:
-            raise OSError(f"{f.name}: ends inside tensor {tensor.name}")
-        done += n
+    _fill(f, tensor.data_offset, memoryview(out.reshape(-1).view(np.uint8)), f"tensor {tensor.name}")
     return out
 
 
