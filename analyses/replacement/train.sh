@@ -3,7 +3,9 @@
 # time, parameter-matched at m = 8, K = 32, seed 0, trained from one live stream of the protocol's text
 # (results/data/mix7.txt.xz's train side, analyses/protocol/data.sh; eval_fraction 0.05, split_seed 0,
 # 128-token rows with BOS, position 0 left to the MLP): 524,288 tokens, 1,024 steps of 512 tokens, one pass,
-# lr 2e-3 (the protocol's rate for every method), the library's recipe otherwise.
+# lr 2e-3 (the protocol's rate for every method), the library's recipe otherwise, but --norm-tokens 8192: the
+# tokens that estimate the normalisation scales are held in memory for every block until the first step
+# (the default 65,536 tokens x 30 blocks is ~9 GB, and minutes before the first step).
 #   bash analyses/replacement/train.sh METHOD     METHOD: mxd (the recommended gate), skip or topk
 # Every block's layer is a learner of one `mxd-lens train` run (one forward of the model feeds all 30).
 # The run goes in parts of MINUTES (default 100) minutes: each part ends with a checkpoint (exit status 3),
@@ -24,6 +26,6 @@ TEXT=results/data/mix7.txt.xz
 export HF_HUB_OFFLINE=1 OMP_NUM_THREADS=${THREADS:-2}
 JE=/usr/lib/x86_64-linux-gnu/libjemalloc.so.2; [ -f $JE ] && export LD_PRELOAD=$JE
 exec .venv/bin/mxd-lens train --text $TEXT --eval-fraction 0.05 --blocks all --arch $ARCH --k 32 \
-    --tokens 524288 --batch-tokens 512 --lr 2e-3 --rows-per-shard 64 \
+    --tokens 524288 --batch-tokens 512 --lr 2e-3 --rows-per-shard 64 --norm-tokens 8192 \
     --checkpoint-every 64 --keep-checkpoints 1 --log-every 32 --no-progress \
     --resume --max-minutes "${MINUTES:-100}" --out results/replacement/$METHOD
