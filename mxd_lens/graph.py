@@ -79,10 +79,6 @@ class Graph:
     def n_nodes(self) -> int:
         return self.n_features + self.n_errors + self.n_pos + self.n_logits
 
-    def kinds(self) -> list[str]:
-        """Each node's kind, in node order."""
-        return ["feature"] * self.n_features + ["error"] * self.n_errors + ["token"] * self.n_pos + ["logit"] * self.n_logits  # fmt: skip
-
     def logit_weights(self) -> torch.Tensor:
         weights = torch.zeros(self.n_nodes, dtype=self.adjacency.dtype)
         weights[-self.n_logits :] = self.logit_probabilities.to(weights.dtype)
