@@ -113,6 +113,23 @@ def _skip_map(layer: Any) -> torch.Tensor | None:
     return w if w.shape[0] == d_in else w.T
 
 
+def _encoder_matrix(rep: Any, x: torch.Tensor, pre: torch.Tensor, block: int) -> torch.Tensor:
+    """The layer's pre-activations as a matrix W [d_in, d_sae], pre(x) = x W + pre(0); checked on the prompt's
+    inputs ``x`` [T, d_in] against their pre-activations ``pre``: a layer whose encoder is not affine in its
+    input has no such graph."""
+    with torch.no_grad():
+        zero = rep.pre_activations(torch.zeros(1, x.shape[-1], dtype=x.dtype))
+        matrix = rep.pre_activations(torch.eye(x.shape[-1], dtype=x.dtype)) - zero
+        gap = float((x @ matrix + zero - pre).abs().max())
+        scale = float(pre.abs().max().clamp_min(1.0))
+    if not gap <= 1e-4 * scale:
+        raise ValueError(
+            f"block {block}: the layer's pre-activations are not affine in its input (x W + b misses them by "
+            f"{gap:.2e}, largest {scale:.2e}); attribution graphs need an encoder that is x W_enc + b_enc"
+        )
+    return matrix
+
+
 def top_logits(probs: torch.Tensor, max_logits: int = 10, desired_prob: float = 0.95) -> list[int]:
     """The most probable next tokens, fewest whose probabilities reach ``desired_prob``, at most
     ``max_logits`` (circuit-tracer's defaults)."""
@@ -229,24 +246,29 @@ def build_graph(
     probs = torch.softmax(logits.detach().float(), -1)
     chosen = top_logits(probs, max_logits, desired_logit_prob)
     demeaned = logits - logits.mean()
-    targets = [
-        pre[b][t, n]
-        for b, t, n in zip(features["block"], features["position"], features["unit"], strict=True)
-    ]
-    targets += [demeaned[y] for y in chosen]
     # targets in groups that share a depth (each block's units, then the logits), so that a group's backward
-    # runs only through the blocks below it
+    # runs only through the blocks below it, and only to the leaves there
     depth = features["block"].to_list() + [n_blocks] * len(chosen)
     groups = [i for i in range(len(depth) + 1) if i in (0, len(depth)) or depth[i] != depth[i - 1]]
+    position_at = torch.tensor(features["position"].to_list(), dtype=torch.long)
+    unit_at = torch.tensor(features["unit"].to_list(), dtype=torch.long)
+    encoders = {b: _encoder_matrix(reps[b], live_x[b][0].detach(), pre[b].detach(), b) for b in reps}
+    group_targets = [
+        pre[depth[start]][position_at[start:end], unit_at[start:end]] if start < len(features) else demeaned[chosen]
+        for start, end in zip(groups[:-1], groups[1:], strict=True)
+    ]
 
-    # one batched backward per chunk of targets: the gradient of each target at every leaf
+    # one batched backward per chunk of targets: the gradient of each target at every leaf below it. A unit's
+    # input is affine in its layer's input (checked above), so its backward starts there, seeded with the
+    # encoder's column: no backward through the encoder's d_sae columns per target.
     n_f, n_err = len(features), n_blocks * n_pos
     n_nodes = n_f + n_err + n_pos + len(chosen)
     adjacency = torch.zeros(n_nodes, n_nodes)
     bias = torch.zeros(n_nodes)
-    names = [hook_names.EMBED_HOOKS["embed"]] + [f"node.{b}" for b in range(n_blocks)]
-    extra = [n for n in leaves if n not in names]  # the positional embedding, if the model has one
-    inputs = [leaves[n] for n in names + extra] + list(biases.values())
+    embed = leaves[hook_names.EMBED_HOOKS["embed"]]
+    nodes = [leaves[f"node.{b}"] for b in range(n_blocks)]
+    extra = [n for n in leaves if n != hook_names.EMBED_HOOKS["embed"] and not n.startswith("node.")]
+    constants = [leaves[n] for n in extra] + list(biases.values())  # positional embedding, bias parameters
     feature_cols = {b: torch.full((n_pos, split[b].indices.shape[1]), -1, dtype=torch.long) for b in split}
     for col, (b, t, j) in enumerate(
         zip(features["block"], features["position"], features["slot"], strict=True)
@@ -254,26 +276,31 @@ def build_graph(
         feature_cols[b][t, j] = col
     rows = list(range(n_f)) + list(range(n_nodes - len(chosen), n_nodes))
     spans = [
-        (lo, min(lo + chunk, end), start, end)
-        for start, end in zip(groups[:-1], groups[1:], strict=True)
+        (lo, min(lo + chunk, end), start, end, group)
+        for group, (start, end) in enumerate(zip(groups[:-1], groups[1:], strict=True))
         for lo in range(start, end, chunk)
     ]
-    for lo, hi, start, end in spans:
-        size = hi - lo
-        outputs = torch.stack(targets[start:end])
-        eye = torch.zeros(size, end - start, dtype=outputs.dtype)
-        eye[torch.arange(size), torch.arange(lo - start, hi - start)] = 1
-        grads = torch.autograd.grad(outputs, inputs, grad_outputs=eye, retain_graph=True,
+    for lo, hi, start, end, group in spans:
+        size, below = hi - lo, depth[start]
+        if below < n_blocks:  # units of block `below`: seed its layer's input with their encoder columns
+            outputs = live_x[below]
+            seed = torch.zeros(size, *outputs.shape, dtype=outputs.dtype)
+            seed[torch.arange(size), 0, position_at[lo:hi]] = encoders[below][:, unit_at[lo:hi]].T
+        else:
+            outputs = group_targets[group]
+            seed = torch.zeros(size, end - start, dtype=outputs.dtype)
+            seed[torch.arange(size), torch.arange(lo - start, hi - start)] = 1
+        inputs = [embed, *nodes[:below], *constants]
+        grads = torch.autograd.grad(outputs, inputs, grad_outputs=seed, retain_graph=True,
                                     is_grads_batched=True, allow_unused=True)  # fmt: skip
-        grads = [torch.zeros(size, *x.shape) if g is None else g for g, x in zip(grads, inputs, strict=True)]
-        target_rows = torch.tensor(rows[lo : lo + size])
-        g_embed = grads[0][:, 0]  # [C, T, d]
-        adjacency[target_rows, n_f + n_err : n_f + n_err + n_pos] = (
-            leaves[names[0]][0].detach() * g_embed
-        ).sum(-1)
+        target_rows = torch.tensor(rows[lo:hi])
+        adjacency[target_rows, n_f + n_err : n_f + n_err + n_pos] = (embed[0].detach() * grads[0][:, 0]).sum(-1)
         row_bias = torch.zeros(size)
-        for b in range(n_blocks):
-            g = grads[1 + b][:, 0]  # [C, T, d]
+        for b in range(below):
+            g = grads[1 + b]
+            if g is None:  # nothing from this block reaches the targets
+                continue
+            g = g[:, 0]  # [C, T, d]
             adjacency[target_rows, n_f + b * n_pos : n_f + (b + 1) * n_pos] = (error[b] * g).sum(-1)
             if b in split:
                 weights = torch.einsum("tkd,ctd->ctk", split[b].vectors, g)
@@ -281,9 +308,9 @@ def build_graph(
                 kept = cols >= 0
                 adjacency[target_rows[:, None], cols[kept][None]] = weights[:, kept]
                 row_bias += (bias_out[b] * g).sum((-1, -2))
-        for name, g in zip(extra + list(biases), grads[1 + n_blocks :], strict=True):
-            value = leaves[name] if name in leaves else biases[name]
-            row_bias += (value.detach() * g).flatten(1).sum(1)
+        for value, g in zip(constants, grads[1 + below :], strict=True):
+            if g is not None:
+                row_bias += (value.detach() * g).flatten(1).sum(1)
         bias[target_rows] = row_bias
     if head.offset is not None:  # a linearised soft-cap's offset: part of each logit target's bias
         off = head.offset[0, -1]
@@ -296,7 +323,7 @@ def build_graph(
             at = torch.nonzero(torch.tensor(features["block"].to_numpy() == b)).flatten()
             bias[at] += own[torch.tensor(features["unit"].to_numpy()[at.numpy()])].float()
     node_inputs = torch.zeros(n_nodes)
-    node_inputs[torch.tensor(rows)] = torch.stack(targets).detach().float()
+    node_inputs[torch.tensor(rows)] = torch.cat(group_targets).detach().float()
     strings = (
         model.to_str_tokens(tokens[0])
         if getattr(model, "tokenizer", None) is not None

@@ -17,7 +17,7 @@ each layer replaces the MLP from its first trained position on, the MLP's own ou
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -60,9 +60,8 @@ def compounding(
     for tokens in batches:
         clean = _log_probs(model, tokens)
         clean_ce += float(-clean[:, :-1].gather(-1, tokens[:, 1:, None]).sum())
-        for n in range(1, len(blocks) + 1):
-            with hooks.splice(model, *(layers[b] for b in blocks[:n])):
-                kl, ce, counted = _kl_ce(clean, _log_probs(model, tokens), tokens)
+        for n, spliced in enumerate(_first_n_spliced(model, layers, blocks, tokens), start=1):
+            kl, ce, counted = _kl_ce(clean, spliced, tokens)
             sums[n - 1]["kl"] += kl
             sums[n - 1]["ce"] += ce
             bar.update(1)
@@ -75,6 +74,26 @@ def compounding(
          "ce_spliced": s["ce"] / count, "delta_ce": (s["ce"] - clean_ce) / count, "tokens": count}
         for n, s in enumerate(sums, start=1)
     ]  # fmt: skip
+
+
+def _first_n_spliced(
+    model: Any, layers: Mapping[int, Any], blocks: Sequence[int], tokens: torch.Tensor
+) -> Iterator[torch.Tensor]:
+    """The log-probabilities with the layers of ``blocks[:n]`` spliced, for n = 1, 2, ...: the residual stream
+    of the first n spliced is kept and carried one spliced block further, and each n runs only the blocks
+    after its last spliced one clean (about half the block-forwards of a full forward per n). A model whose
+    positional embedding is not in the residual stream (shortformer) runs each n in full."""
+    if model.cfg.positional_embedding_type == "shortformer":
+        for n in range(1, len(blocks) + 1):
+            with hooks.splice(model, *(layers[b] for b in blocks[:n])):
+                yield _log_probs(model, tokens)
+        return
+    residual, start = model(tokens, stop_at_layer=0), 0
+    for block in blocks:
+        with hooks.splice(model, layers[block]):
+            residual = model(residual, start_at_layer=start, stop_at_layer=block + 1, tokens=tokens)
+        start = block + 1
+        yield model(residual, start_at_layer=start, tokens=tokens).float().log_softmax(-1)
 
 
 @torch.inference_mode()

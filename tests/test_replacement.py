@@ -81,6 +81,23 @@ def test_compounding_and_exactness_against_a_hand_written_splice(trained):
     assert exact["kl"] < 1e-6 and exact["max_abs_logprob_diff"] < 1e-4
 
 
+def test_compounding_with_a_block_left_clean(trained):
+    """Layers at blocks 0 and 2 only: the curve's residual carried from n = 1 to n = 2 runs block 1 clean."""
+    model, corpus, _, layers = trained
+    placed = {b: layer for b, layer in by_block(layers, model, every=True).items() if b != 1}
+    batches = held_out_batches(model, corpus, eval_tokens=120, context_size=12, rows_per_forward=5)
+    curve = compounding(model, placed, batches, progress=False)
+    assert [(row["n"], row["last_block"]) for row in curve] == [(1, 0), (2, 2)]
+    for row in curve:
+        kl = count = 0.0
+        for tokens in batches:
+            clean = model(tokens).log_softmax(-1).detach()
+            spliced = _by_hand(model, placed, tokens, row["n"])
+            kl += float((clean.exp() * (clean - spliced)).sum(-1)[:, :-1].sum())
+            count += tokens[:, 1:].numel()
+        assert row["kl"] == pytest.approx(kl / count, rel=1e-4, abs=1e-7)
+
+
 def test_the_study_reports_the_whole_each_block_and_the_curve(trained, monkeypatch, tmp_path):
     import mxd_lens.models
 
