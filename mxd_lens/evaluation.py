@@ -131,7 +131,7 @@ def evaluate(
     rows = [_layer_row(name, rep, spliced, moments, parts[name], baselines) for name, rep in reps.items()]
     if together:
         row = _identity("together", None, ",".join(map(str, plan.blocks)), None, list(reps))
-        rows.append({**row, **spliced.columns("together", plan.blocks, baselines)})
+        rows.append({**row, **spliced.columns("together", plan.blocks, baselines), **spliced.standard_errors("*together")})
     for row in rows:
         row["skip_positions"] = plan.first
     for row, rep in zip(rows, reps.values(), strict=False):
@@ -335,7 +335,9 @@ class _Spliced:
         start = self.blocks[0]
         with hooks.splice(self.model, *layers):
             logits = self.model(batch.resid[start], start_at_layer=start)
-        self.score("together", logits, batch.target, batch.clean)
+        ce, kl = self.score("together", logits, batch.target, batch.clean)
+        n = batch.target.numel()
+        self.per_batch.setdefault("*together", []).append(((ce - self._clean_sum) / n, kl / n))
 
     def mean_ablation(self, means: Mapping[int, torch.Tensor]) -> None:
         """Each block's ``hook_mlp_out`` set to its mean over the held-out tokens, from the kept residuals."""

@@ -200,6 +200,17 @@ def test_standard_errors_are_those_of_the_per_batch_values():
         assert row[se] == pytest.approx(sd / math.sqrt(5), rel=1e-4, abs=1e-9)
     (one,) = evaluate(model, [layer], batches[:1], baselines=False, jacobian_tokens=0, progress=False)
     assert math.isnan(one["delta_ce_se"])
+    # the row of layers spliced together has its standard errors too
+    second = randomise(TopKTranscoder.for_model(model, 0, d_sae=16, k=3), 1, scale=0.3)
+    kw = dict(together=True, baselines=False, jacobian_tokens=0, progress=False)
+    both = evaluate(model, [second, layer], batches, **kw)[-1]
+    alone = [evaluate(model, [second, layer], [b], **kw)[-1] for b in batches]
+    for key, se in (("delta_ce", "delta_ce_se"), ("kl", "kl_se")):
+        values = [r[key] for r in alone]
+        mean = sum(values) / 5
+        assert both[key] == pytest.approx(mean, rel=1e-5, abs=1e-7)
+        sd = math.sqrt(sum((v - mean) ** 2 for v in values) / 4)
+        assert both[se] == pytest.approx(sd / math.sqrt(5), rel=1e-4, abs=1e-9) and both[se] > 0
 
 
 def test_each_evaluation_text_keeps_its_own_record(tmp_path, capsys, monkeypatch):

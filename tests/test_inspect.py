@@ -8,7 +8,7 @@ import torch
 from conftest import D_VOCAB, make_model, make_text_model, randomise
 
 from mxd_lens import MxD, TopKTranscoder, capture_mlp_io
-from mxd_lens.analysis.inspect import _batch_top, to_html, top_activations
+from mxd_lens.analysis.inspect import _batch_top, to_html, top_activations, top_activations_of_layers
 
 
 def stream(shapes, seed=0):
@@ -73,6 +73,29 @@ def test_streaming_top_n_equals_brute_force(kind, arch, n, skip_bos):
     assert (first["left"] + first["token"] + first["right"]).split() == [str(t) for t in window]
     assert (df["position"] == 0).any() != skip_bos
     assert df.attrs == {"features": features, "block": 1, "tokens": 10 * 12 - 2 * 5 - (10 if skip_bos else 0)}
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "gated"])
+def test_several_layers_from_one_forward_equal_each_alone(kind):
+    """Layers at blocks 0 and 1 ranked from one forward per batch == each ranked on its own, and no
+    block above the deepest runs."""
+    model = make_model(kind)
+    first = randomise(TopKTranscoder.for_model(model, 0, d_sae=24, k=4), 0)
+    second = randomise(MxD.for_model(model, 1, d_sae=24, k=4), 1)
+    batches = stream([(3, 12), (2, 12)], seed=4)
+    handle = model.blocks[2].register_forward_pre_hook(lambda *a: pytest.fail("block 2 ran"))
+    calls = []
+    counter = model.blocks[0].register_forward_pre_hook(lambda *a: calls.append(1))
+    try:
+        both = top_activations_of_layers(model, [(second, [1, 5]), (first, [0, 2, 9])], batches, n=6, progress=False)
+    finally:
+        handle.remove()
+        counter.remove()
+    assert len(calls) == len(batches)  # one forward per batch for both layers
+    for df, (layer, features) in zip(both, [(second, [1, 5]), (first, [0, 2, 9])], strict=True):
+        alone = top_activations(model, layer, batches, features, n=6, progress=False)
+        pd.testing.assert_frame_equal(df, alone)
+        assert df.attrs == alone.attrs
 
 
 def test_equal_activations_rank_by_first_occurrence():

@@ -10,7 +10,7 @@ from conftest import make_text_model
 from mxd_lens.cli import main
 from mxd_lens.evaluation import held_out_batches
 from mxd_lens.layers.io import load_any_layer
-from mxd_lens.replacement import by_block, compounding, exactness
+from mxd_lens.replacement import by_block, compounding, exactness, load_replacement
 
 
 @pytest.fixture(scope="module")
@@ -31,6 +31,10 @@ def trained(tmp_path_factory):
         mxd_lens.models.load_model = original
     layers = {p.name: load_any_layer(p) for p in sorted((folder / "run" / "final").iterdir()) if p.is_dir()}
     return model, corpus, folder, layers
+
+
+def lay_block(layer):
+    return int(layer.cfg.metadata.hook_name.split(".")[1])
 
 
 def _by_hand(model, layers, tokens, n):
@@ -161,6 +165,16 @@ def test_graphs_study_scores_every_prompt_and_writes_pages_and_circuit_tracer_fi
     assert "<script" in page and "http" not in page.replace(
         "http://www.w3.org/2000/svg", ""
     )  # self-contained
+    # the kept units' contexts: each as top_activations ranks it on the same text, alone
+    from mxd_lens.analysis.inspect import text_batches, top_activations
+
+    data = json.loads(page.split('<script type="application/json" id="data">')[1].split("</script>")[0])
+    assert data["contexts"]
+    key = sorted(data["contexts"])[0]
+    block, unit = map(int, key.split(":"))
+    (layer,) = [lay for lay in load_replacement([folder / "run" / "final"], model).values() if lay_block(lay) == block]
+    alone = top_activations(model, layer, text_batches(model, None, 240, 12), [unit], n=5, progress=False)
+    assert data["contexts"][key] == [list(c) for c in zip(alone["left"], alone["token"], alone["right"], strict=True)]
     ct = json.loads((out / "circuit-tracer" / "graph-01.json").read_text())
     assert set(ct) == {"metadata", "qParams", "nodes", "links"}
     ids = {n["node_id"] for n in ct["nodes"]}

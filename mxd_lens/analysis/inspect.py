@@ -55,48 +55,67 @@ def top_activations(
     shows as context. Without a tokenizer, token ids stand in for text.
     ``df.attrs`` records the features asked, the block and the number of tokens ranked.
     """
-    rep = hooks.replacement(layer)  # an mxd-lens layer or a SAELens transcoder from elsewhere
-    index = rep.block
-    hooks.check_fits(model, layer, index)
-    d_sae = rep.d_sae
-    asked = _check_features(features, d_sae, index)
+    (df,) = top_activations_of_layers(model, [(layer, features)], token_batches, n, context, skip_bos, progress)
+    return df
+
+
+def top_activations_of_layers(
+    model: Any,
+    asked: Sequence[tuple[MLPReplacement[Any], Sequence[int]]],
+    token_batches: Iterable[torch.Tensor],
+    n: int = 20,
+    context: int | tuple[int, int] = (8, 4),
+    skip_bos: bool = True,
+    progress: bool = True,
+) -> list[pd.DataFrame]:
+    """:func:`top_activations` of several layers, each (layer, features) of ``asked``, from one forward per
+    batch (up to the deepest layer's block): a table per layer, in order."""
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"n={n!r} must be an int >= 1: how many contexts to keep per feature")
     n_left, n_right = _check_context(context)
     width = n_left + 1 + n_right
-
-    # Column of each asked feature in the [tokens, F] activation matrix; units not asked go to column F.
-    n_feat = len(asked)
-    column = torch.full((d_sae,), n_feat, dtype=torch.long, device=layer.device)
-    column[torch.tensor(asked, device=layer.device)] = torch.arange(n_feat, device=layer.device)
-
-    top = _RunningTop(n_feat, n, width)
+    runs = []
+    for layer, features in asked:
+        rep = hooks.replacement(layer)  # an mxd-lens layer or a SAELens transcoder from elsewhere
+        hooks.check_fits(model, layer, rep.block)
+        wanted = _check_features(features, rep.d_sae, rep.block)
+        # Column of each asked feature in the [tokens, F] activation matrix; units not asked go to column F.
+        column = torch.full((rep.d_sae,), len(wanted), dtype=torch.long, device=layer.device)
+        column[torch.tensor(wanted, device=layer.device)] = torch.arange(len(wanted), device=layer.device)
+        runs.append((layer, rep, wanted, column, _RunningTop(len(wanted), n, width)))
+    if not runs:
+        return []
+    blocks = sorted({rep.block for _, rep, *_ in runs})
+    resid = hooks.resid_blocks([rep for _, rep, *_ in runs])
     rows_seen = n_batches = n_ranked = 0
     batches = tqdm(token_batches, desc="top activations", unit="batch", disable=not progress)
-    with torch.inference_mode(), hooks.capture_mlp_io(model, [index], resid=hooks.resid_blocks([rep])) as io:
+    with torch.inference_mode(), hooks.capture_mlp_io(model, blocks, resid=resid) as io:
         for tokens in batches:
             tokens = _check_batch(tokens, n_batches)
             n_rows, n_pos = tokens.shape
-            model(tokens.to(model.cfg.device), stop_at_layer=index + 1)
-            values, units = rep.encode_sparse(hooks.layer_input(io, rep).to(layer.device))
-            k = values.shape[-1]
-            acts = _feature_acts(values.reshape(-1, k), units.reshape(-1, k), column, n_feat)
-            if skip_bos:
-                acts.view(n_feat, n_rows, n_pos)[:, :, 0] = 0.0
-            batch_top, flat = _batch_top(acts, n)
-            row, pos = flat // n_pos, flat % n_pos
+            model(tokens.to(model.cfg.device), stop_at_layer=blocks[-1] + 1)
             padded = F.pad(tokens, (n_left, n_right), value=-1)
-            window = padded[row[..., None], pos[..., None] + torch.arange(width)]
-            top.merge(batch_top, row + rows_seen, pos, window)
+            for layer, rep, wanted, column, top in runs:
+                values, units = rep.encode_sparse(hooks.layer_input(io, rep).to(layer.device))
+                k = values.shape[-1]
+                acts = _feature_acts(values.reshape(-1, k), units.reshape(-1, k), column, len(wanted))
+                if skip_bos:
+                    acts.view(len(wanted), n_rows, n_pos)[:, :, 0] = 0.0
+                batch_top, flat = _batch_top(acts, n)
+                row, pos = flat // n_pos, flat % n_pos
+                window = padded[row[..., None], pos[..., None] + torch.arange(width)]
+                top.merge(batch_top, row + rows_seen, pos, window)
             rows_seen += n_rows
             n_batches += 1
             n_ranked += n_rows * (n_pos - 1 if skip_bos else n_pos)
     if not n_batches:
         raise ValueError("token_batches yielded no batch: give at least one [batch, pos] tensor of token ids")
-
-    df = top.table(asked, n_left, getattr(model, "tokenizer", None))
-    df.attrs.update(features=asked, block=index, tokens=n_ranked)
-    return df
+    tables = []
+    for _, rep, wanted, _, top in runs:
+        df = top.table(wanted, n_left, getattr(model, "tokenizer", None))
+        df.attrs.update(features=wanted, block=rep.block, tokens=n_ranked)
+        tables.append(df)
+    return tables
 
 
 class _RunningTop:

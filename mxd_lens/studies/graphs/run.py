@@ -79,7 +79,7 @@ def _contexts(
     model: Any, layers: dict[int, Any], built: list, options: GraphsOptions, progress: bool
 ) -> dict:
     """(block, unit) -> [(left, token, right), ...]: the top contexts of every unit kept in some graph."""
-    from mxd_lens.analysis.inspect import top_contexts
+    from mxd_lens.analysis.inspect import text_batches, top_activations_of_layers
 
     if options.context_tokens <= 0:
         return {}
@@ -88,12 +88,13 @@ def _contexts(
         f = graph.features
         for i in kept.nodes[: graph.n_features].nonzero().flatten().tolist():
             wanted.setdefault(int(f["block"][i]), set()).add(int(f["unit"][i]))
+    if not wanted:
+        return {}
+    batches = text_batches(model, None, options.context_tokens, min(128, model.cfg.n_ctx))
+    asked = [(layers[block], sorted(units)) for block, units in sorted(wanted.items())]
+    tables = top_activations_of_layers(model, asked, batches, n=5, progress=progress)  # one forward per batch
     found = {}
-    for block, units in sorted(wanted.items()):
-        table = top_contexts(
-            model, layers[block], sorted(units), tokens=options.context_tokens, n=5,
-            context_size=min(128, model.cfg.n_ctx), progress=False,
-        )  # fmt: skip
+    for (block, _), table in zip(sorted(wanted.items()), tables, strict=True):
         for unit, part in table.groupby("feature"):
             found[(block, int(unit))] = list(zip(part["left"], part["token"], part["right"], strict=True))
     return found
