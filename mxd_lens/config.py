@@ -196,7 +196,8 @@ class TrainConfig:
     normalize: Literal["none", "input", "input_output"] = "input_output"
     """scale activations to E||x||^2 = d_in (and E||y||^2 = d_out); folded into the saved weights"""
     norm_tokens: int = 65_536
-    """tokens at the start of the stream that estimate the normalisation scales"""
+    """tokens at the start of the stream that estimate the normalisation scales (fewer, said in the log, where
+    every block's activations over them would hold more than 2 GB until the first step)"""
     aux_coefficient: float = 0.5
     """AuxK loss weight for dead units (0: off; sparsify's 1/32 left more dead, docs/training.md)"""
     k_aux: int | None = None

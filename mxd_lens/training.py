@@ -63,6 +63,10 @@ _FREE = ("total_tokens", "epochs", "log_every", "checkpoint_every", "keep_checkp
 
 
 log = logging.getLogger(__name__)
+# The most memory the normalisation sample may hold: every block's (input, output) over the first --norm-tokens
+# tokens, kept until the first step to be trained on. One SmolLM2 block at the default 65,536 tokens is 0.3 GB
+# (unchanged under the cap); all 30 would be 9 GB, so there the sample is cut to the cap (~14,500 tokens).
+NORM_SAMPLE_BYTES = 2**31
 
 
 @dataclass
@@ -347,10 +351,21 @@ class Trainer(TrainingLoop):
         """Scales (and the loss's target variance) from the first ``norm_tokens`` tokens of the global
         stream, the same on every rank; then train on those batches and go on."""
         cfg = self.config
-        head = []
+        head, wanted = [], min(cfg.norm_tokens, self.total_tokens)
         for batch in stream:
             head.append(batch)
-            if len(head) * cfg.batch_tokens >= min(cfg.norm_tokens, self.total_tokens):
+            if len(head) == 1:  # the sample is held until the first step: cap its memory over all blocks
+                size = sum(t.nbytes for pair in batch.values() for t in pair)
+                most = max(1, NORM_SAMPLE_BYTES // max(size, 1)) * cfg.batch_tokens
+                if wanted > most:
+                    log.info(
+                        "normalisation scales from the first %s tokens, not --norm-tokens %s: the sample of %d "
+                        "blocks' activations would hold %.1f GB until the first step (the cap is %.1f GB)",
+                        f"{most:,}", f"{cfg.norm_tokens:,}", len(batch), wanted / cfg.batch_tokens * size / 1e9,
+                        NORM_SAMPLE_BYTES / 1e9,
+                    )  # fmt: skip
+                    wanted = most
+            if len(head) * cfg.batch_tokens >= wanted:
                 break
         if not head:
             return iter(())

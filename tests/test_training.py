@@ -3,6 +3,7 @@ DDP ranks, and stops cleanly on NaN or a full disk."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import random
@@ -616,3 +617,41 @@ def test_train_runs_one_nested_run_config_and_records_it_whole(tmp_path):
     assert again == metrics
     with pytest.raises(ValueError, match="not a key of mxd_lens.ARCHITECTURES"):  # before the cache is opened
         train(dataclasses.replace(run, cache=str(tmp_path / "none"), learners=LearnersConfig(arch=["nope"])))
+
+
+def test_the_normalisation_sample_is_capped_in_memory_and_says_so(monkeypatch, caplog):
+    """Over the cap the scales come from the first batches that fit it (brute force on the same stream),
+    and the log names the tokens used; under it, --norm-tokens as given."""
+    import logging
+
+    import mxd_lens.training as training
+
+    def scales_from(n_batches):
+        stream = training.shuffled_batches(source(blocks=(1, 2)), 64, config().seed)
+        batches = list(itertools.islice(stream, n_batches))
+        out = {}
+        for block in (1, 2):
+            x = torch.cat([b[block][0] for b in batches]).double()
+            y = torch.cat([b[block][1] for b in batches]).double()
+            out[block] = (
+                float((x.shape[-1] / x.pow(2).sum(-1).mean()).sqrt()),
+                float((y.shape[-1] / y.pow(2).sum(-1).mean()).sqrt()),
+            )
+        return out
+
+    specs = [LearnerSpec("mxd", 1, k=4, width_multiplier=8), LearnerSpec("mxd", 2, k=4, width_multiplier=8)]
+    first = next(iter(training.shuffled_batches(source(blocks=(1, 2)), 64, config().seed)))
+    one_batch = sum(t.nbytes for pair in first.values() for t in pair)  # 2 blocks x (x, y) x 64 tokens
+    monkeypatch.setattr(training, "NORM_SAMPLE_BYTES", 3 * one_batch)
+    for norm_tokens, used in ((64 * 8, 3), (64 * 2, 2)):
+        caplog.clear()
+        trainer = Trainer(specs, source(blocks=(1, 2)), config(norm_tokens=norm_tokens), progress=False)
+        with caplog.at_level(logging.INFO, logger="mxd_lens.training"):
+            next(iter(trainer.batch_stream()))
+        expected = scales_from(used)
+        for block in (1, 2):
+            assert trainer.scales[block] == pytest.approx(expected[block], rel=1e-9)
+        capped = [r.getMessage() for r in caplog.records if "normalisation scales" in r.getMessage()]
+        assert bool(capped) == (used == 3)
+        if capped:
+            assert "first 192 tokens, not --norm-tokens 512" in capped[0] and "2 blocks" in capped[0]

@@ -25,7 +25,8 @@ TEXT=results/data/mix7.txt.xz
 [ -f $TEXT ] || { echo "no $TEXT: make it with 'bash analyses/protocol/data.sh' first" >&2; exit 1; }
 export HF_HUB_OFFLINE=1 OMP_NUM_THREADS=${THREADS:-2}
 JE=/usr/lib/x86_64-linux-gnu/libjemalloc.so.2; [ -f $JE ] && export LD_PRELOAD=$JE
-exec .venv/bin/mxd-lens train --text $TEXT --eval-fraction 0.05 --blocks all --arch $ARCH --k 32 \
+mkdir -p results/replacement/$METHOD  # each part's wall time and peak memory: train-time.txt (eval.sh reports it)
+exec /usr/bin/time -v -a -o results/replacement/$METHOD/train-time.txt .venv/bin/mxd-lens train --text $TEXT --eval-fraction 0.05 --blocks all --arch $ARCH --k 32 \
     --tokens 524288 --batch-tokens 512 --lr 2e-3 --rows-per-shard 64 --norm-tokens 8192 \
     --checkpoint-every 64 --keep-checkpoints 1 --log-every 32 --no-progress \
     --resume --max-minutes "${MINUTES:-100}" --out results/replacement/$METHOD
