@@ -113,21 +113,37 @@ def _skip_map(layer: Any) -> torch.Tensor | None:
     return w if w.shape[0] == d_in else w.T
 
 
-def _encoder_matrix(rep: Any, x: torch.Tensor, pre: torch.Tensor, block: int) -> torch.Tensor:
-    """The layer's pre-activations as a matrix W [d_in, d_sae], pre(x) = x W + pre(0); checked on the prompt's
-    inputs ``x`` [T, d_in] against their pre-activations ``pre``: a layer whose encoder is not affine in its
-    input has no such graph."""
+def _encoder_columns(rep: Any, x: torch.Tensor, pre: torch.Tensor, positions: torch.Tensor, units: torch.Tensor,
+                     block: int) -> torch.Tensor:  # fmt: skip
+    """The gradient of each target unit's pre-activation at its layer's input, [targets, d_in]: its encoder
+    column (by autograd at one input, in the layer's dtype). Valid where the pre-activations are affine in
+    the input, ``x W + b``: checked on the prompt, each target's value against ``x_t · column + pre(0)``
+    (``x`` [T, d_in] the prompt's inputs, ``pre`` [T, d_sae] their pre-activations); a layer whose encoder is
+    not affine has no such graph."""
+    distinct, back = torch.unique(units, return_inverse=True)
+    with torch.enable_grad():
+        point = x[-1:].detach().clone().requires_grad_(True)  # any input would do for an affine map
+        at_point = rep.pre_activations(point)[0]
+        seed = torch.zeros(len(distinct), at_point.shape[-1], dtype=at_point.dtype)
+        seed[torch.arange(len(distinct)), distinct] = 1
+        (columns,) = torch.autograd.grad(at_point, point, grad_outputs=seed, is_grads_batched=True)
+    columns = columns[:, 0][back]  # [targets, d_in]
     with torch.no_grad():
-        zero = rep.pre_activations(torch.zeros(1, x.shape[-1], dtype=x.dtype))
-        matrix = rep.pre_activations(torch.eye(x.shape[-1], dtype=x.dtype)) - zero
-        gap = float((x @ matrix + zero - pre).abs().max())
-        scale = float(pre.abs().max().clamp_min(1.0))
-    if not gap <= 1e-4 * scale:
+        offset = at_point.float()[units] - (point[0].float() * columns.float()).sum(-1)  # pre(0), if affine
+        terms = x[positions].float() * columns.float()
+        gap = (terms.sum(-1) + offset - pre[positions, units].float()).abs()
+        size = terms.abs().sum(-1) + offset.abs()  # the magnitude of what is summed
+    eps = torch.finfo(x.dtype).eps if x.dtype in (torch.float16, torch.bfloat16) else 0.0
+    ok = gap <= (1e-4 + 8 * eps) * size.clamp_min(1.0)  # (NaN is not ok)
+    if not bool(ok.all()):
+        worst = int(torch.nonzero(~ok)[0])
         raise ValueError(
-            f"block {block}: the layer's pre-activations are not affine in its input (x W + b misses them by "
-            f"{gap:.2e}, largest {scale:.2e}); attribution graphs need an encoder that is x W_enc + b_enc"
+            f"block {block}: the layer's pre-activations are not affine in its input (at position "
+            f"{int(positions[worst])}, unit {int(units[worst])}, x W + b misses the pre-activation by "
+            f"{float(gap[worst]):.2e} of {float(size[worst]):.2e}); attribution graphs need an encoder that is "
+            "x W_enc + b_enc"
         )
-    return matrix
+    return columns
 
 
 def top_logits(probs: torch.Tensor, max_logits: int = 10, desired_prob: float = 0.95) -> list[int]:
@@ -252,7 +268,12 @@ def build_graph(
     groups = [i for i in range(len(depth) + 1) if i in (0, len(depth)) or depth[i] != depth[i - 1]]
     position_at = torch.tensor(features["position"].to_list(), dtype=torch.long)
     unit_at = torch.tensor(features["unit"].to_list(), dtype=torch.long)
-    encoders = {b: _encoder_matrix(reps[b], live_x[b][0].detach(), pre[b].detach(), b) for b in reps}
+    columns = {}  # each unit target's encoder column, in feature order per block
+    for start, end in zip(groups[:-1], groups[1:], strict=True):
+        if start < len(features):
+            b = depth[start]
+            columns[b] = _encoder_columns(reps[b], live_x[b][0].detach(), pre[b].detach(), position_at[start:end],
+                                          unit_at[start:end], b)  # fmt: skip
     group_targets = [
         pre[depth[start]][position_at[start:end], unit_at[start:end]] if start < len(features) else demeaned[chosen]
         for start, end in zip(groups[:-1], groups[1:], strict=True)
@@ -266,6 +287,7 @@ def build_graph(
     adjacency = torch.zeros(n_nodes, n_nodes)
     bias = torch.zeros(n_nodes)
     embed = leaves[hook_names.EMBED_HOOKS["embed"]]
+    embed_value = embed[0].detach().float()
     nodes = [leaves[f"node.{b}"] for b in range(n_blocks)]
     extra = [n for n in leaves if n != hook_names.EMBED_HOOKS["embed"] and not n.startswith("node.")]
     constants = [leaves[n] for n in extra] + list(biases.values())  # positional embedding, bias parameters
@@ -285,7 +307,7 @@ def build_graph(
         if below < n_blocks:  # units of block `below`: seed its layer's input with their encoder columns
             outputs = live_x[below]
             seed = torch.zeros(size, *outputs.shape, dtype=outputs.dtype)
-            seed[torch.arange(size), 0, position_at[lo:hi]] = encoders[below][:, unit_at[lo:hi]].T
+            seed[torch.arange(size), 0, position_at[lo:hi]] = columns[below][lo - start : hi - start]
         else:
             outputs = group_targets[group]
             seed = torch.zeros(size, end - start, dtype=outputs.dtype)
@@ -293,24 +315,25 @@ def build_graph(
         inputs = [embed, *nodes[:below], *constants]
         grads = torch.autograd.grad(outputs, inputs, grad_outputs=seed, retain_graph=True,
                                     is_grads_batched=True, allow_unused=True)  # fmt: skip
+        grads = [None if g is None else g.float() for g in grads]  # edges in float32 (a half model's too)
         target_rows = torch.tensor(rows[lo:hi])
-        adjacency[target_rows, n_f + n_err : n_f + n_err + n_pos] = (embed[0].detach() * grads[0][:, 0]).sum(-1)
+        adjacency[target_rows, n_f + n_err : n_f + n_err + n_pos] = (embed_value * grads[0][:, 0]).sum(-1)
         row_bias = torch.zeros(size)
         for b in range(below):
             g = grads[1 + b]
             if g is None:  # nothing from this block reaches the targets
                 continue
             g = g[:, 0]  # [C, T, d]
-            adjacency[target_rows, n_f + b * n_pos : n_f + (b + 1) * n_pos] = (error[b] * g).sum(-1)
+            adjacency[target_rows, n_f + b * n_pos : n_f + (b + 1) * n_pos] = (error[b].float() * g).sum(-1)
             if b in split:
-                weights = torch.einsum("tkd,ctd->ctk", split[b].vectors, g)
+                weights = torch.einsum("tkd,ctd->ctk", split[b].vectors.float(), g)
                 cols = feature_cols[b]
                 kept = cols >= 0
                 adjacency[target_rows[:, None], cols[kept][None]] = weights[:, kept]
-                row_bias += (bias_out[b] * g).sum((-1, -2))
+                row_bias += (bias_out[b].float() * g).sum((-1, -2))
         for value, g in zip(constants, grads[1 + below :], strict=True):
             if g is not None:
-                row_bias += (value.detach() * g).flatten(1).sum(1)
+                row_bias += (value.detach().float() * g).flatten(1).sum(1)
         bias[target_rows] = row_bias
     if head.offset is not None:  # a linearised soft-cap's offset: part of each logit target's bias
         off = head.offset[0, -1]
@@ -364,6 +387,8 @@ def influence(adjacency: torch.Tensor, weights: torch.Tensor, max_iter: int = 10
 
 def _cut(scores: torch.Tensor, fraction: float) -> torch.Tensor:
     """The score above which the largest scores carry ``fraction`` of their sum."""
+    if not scores.numel():
+        return torch.zeros((), dtype=scores.dtype)
     ordered = torch.sort(scores.flatten(), descending=True).values
     cumulative = ordered.cumsum(0) / ordered.sum().clamp_min(1e-30)
     index = int(torch.searchsorted(cumulative, torch.tensor(fraction, dtype=cumulative.dtype)).item())
@@ -395,7 +420,8 @@ def prune(graph: Graph, node_threshold: float = 0.8, edge_threshold: float = 0.9
     pruned[:, ~nodes] = 0
     a = normalized(pruned)
     edge_scores = a * (influence(pruned, weights) + weights)[:, None]
-    edges = edge_scores >= _cut(edge_scores, edge_threshold)
+    edges = edge_scores >= _cut(edge_scores[edge_scores > 0], edge_threshold)  # (zeros move no cut; a sort of
+    # every entry of a 14k-node graph's [N, N] scores would take seconds and GBs)
     edges &= pruned != 0
     while True:
         before = nodes.clone()

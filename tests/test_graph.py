@@ -111,3 +111,14 @@ def test_scores_and_pruning_against_a_dense_influence():
     errors = whole.adjacency[:, whole.n_features : whole.n_features + whole.n_errors]
     assert errors.abs().max() < 1e-4
     assert scores(whole)["replacement"] == pytest.approx(1.0, abs=1e-4)
+
+
+def test_a_layer_whose_encoder_is_not_affine_is_refused_by_name(monkeypatch):
+    """The backward starts at each layer's input seeded with its units' encoder columns, which holds only
+    where the pre-activations are x W + b: a per-token normalisation before the encoder is refused."""
+    model = make_model("gpt2")
+    layers = _layers(model, TopKTranscoder)
+    plain = layers[1].process_sae_in
+    monkeypatch.setattr(layers[1], "process_sae_in", lambda x: plain(x) / x.norm(dim=-1, keepdim=True))
+    with pytest.raises(ValueError, match=r"block 1: the layer's pre-activations are not affine in its input"):
+        build_graph(model, layers, TOKENS)
