@@ -192,19 +192,22 @@ for (const n of data.nodes) {
 """
 
 
+def page_data(graph: Graph, pruned: Pruned) -> dict[str, Any]:
+    """What a graph's page draws (its kept nodes and edges), without the graph's [N, N] matrices."""
+    return {"n_blocks": graph.n_blocks, "n_pos": graph.n_pos, "strings": graph.strings,
+            "nodes": node_records(graph, pruned), "edges": edge_records(graph, pruned)}  # fmt: skip
+
+
 def graph_html(graph: Graph, pruned: Pruned, contexts: Mapping[tuple[int, int], Sequence[tuple[str, str, str]]] | None = None,
                title: str = "", meta: str = "") -> str:  # fmt: skip
     """One self-contained page: ``contexts[(block, unit)]`` = [(left, token, right), ...] for feature nodes."""
-    data = {
-        "n_blocks": graph.n_blocks,
-        "n_pos": graph.n_pos,
-        "strings": graph.strings,
-        "nodes": node_records(graph, pruned),
-        "edges": edge_records(graph, pruned),
-        "contexts": {f"{b}:{u}": [list(c) for c in cs] for (b, u), cs in (contexts or {}).items()},
-    }
+    return page_html(page_data(graph, pruned), contexts, title or graph.prompt, meta)
+
+
+def page_html(data: Mapping[str, Any], contexts: Mapping[tuple[int, int], Sequence[tuple[str, str, str]]] | None = None,
+              title: str = "", meta: str = "") -> str:  # fmt: skip
+    """:func:`graph_html` from :func:`page_data`'s record."""
+    data = {**data, "contexts": {f"{b}:{u}": [list(c) for c in cs] for (b, u), cs in (contexts or {}).items()}}
     payload = json.dumps(data).replace("</", "<\\/")
-    page = _PAGE.replace("__TITLE__", html.escape(title or graph.prompt)).replace(
-        "__META__", html.escape(meta)
-    )
+    page = _PAGE.replace("__TITLE__", html.escape(title)).replace("__META__", html.escape(meta))
     return page.replace("__DATA__", payload)

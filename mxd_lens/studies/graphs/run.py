@@ -22,7 +22,7 @@ def run(model: Any, options: GraphsOptions, out: Path | None = None, progress: b
     from tqdm.auto import tqdm
 
     from mxd_lens.graph import build_graph, prune, scores
-    from mxd_lens.graph_files import circuit_tracer_graph, graph_html
+    from mxd_lens.graph_files import circuit_tracer_graph, page_data, page_html
     from mxd_lens.layers.registry import layer_arch
     from mxd_lens.replacement import load_replacement
     from mxd_lens.studies.common import recorded_options
@@ -38,31 +38,30 @@ def run(model: Any, options: GraphsOptions, out: Path | None = None, progress: b
             model, layers, prompt, options.max_logits, options.logit_probability, options.chunk
         )
         kept = prune(graph, options.node_threshold, options.edge_threshold)
-        seconds = time.perf_counter() - start
         s = scores(graph)
+        seconds = time.perf_counter() - start  # built, pruned and scored
         rows.append({"method": label, "graph": i, "prompt": prompt, "tokens": graph.n_pos, "blocks": len(layers),
                      "top_logit": graph.logit_strings[0], "top_probability": float(graph.logit_probabilities[0]),
                      **s, "kept_nodes": int(kept.nodes.sum()), "kept_edges": int(kept.edges.sum()),
                      "seconds": seconds, "adjacency_mb": graph.adjacency.numel() * 4 / 2**20,
                      "peak_rss_mb": _peak_rss_mb()})  # fmt: skip
-        built.append((graph, kept))
-    contexts = _contexts(model, layers, built, options, progress)
-    for i, (graph, kept) in enumerate(built):
-        r = rows[i]
-        meta = (f"{label}; {graph.n_features:,} features, {int(kept.nodes.sum())} nodes and {int(kept.edges.sum())} "
-                f"edges kept (node threshold {options.node_threshold}, edge threshold {options.edge_threshold}); "
-                f"replacement score {r['replacement']:.3f}, completeness score {r['completeness']:.3f}")  # fmt: skip
-        pages[f"graph-{i:02d}.html"] = graph_html(graph, kept, contexts, title=graph.prompt, meta=meta)
         ct = circuit_tracer_graph(
             graph, kept, slug=f"graph-{i:02d}", scan=label, node_threshold=options.node_threshold
         )
         pages[f"circuit-tracer/graph-{i:02d}.json"] = json.dumps(ct)
+        # keep what the pages and the contexts need, not the [N, N] matrices (0.8 GB each at 30 blocks)
+        kept_units = graph.features[kept.nodes[: graph.n_features].numpy()][["block", "unit"]]
+        built.append((graph.prompt, page_data(graph, kept), kept_units))
+        del graph, kept
+    contexts = _contexts(model, layers, [units for *_, units in built], options, progress)
+    for i, (prompt, data, _) in enumerate(built):
+        r = rows[i]
+        meta = (f"{label}; {r['features']:,} features, {r['kept_nodes']} nodes and {r['kept_edges']} "
+                f"edges kept (node threshold {options.node_threshold}, edge threshold {options.edge_threshold}); "
+                f"replacement score {r['replacement']:.3f}, completeness score {r['completeness']:.3f}")  # fmt: skip
+        pages[f"graph-{i:02d}.html"] = page_html(data, contexts, title=prompt, meta=meta)
     pages["circuit-tracer/graph-metadata.json"] = json.dumps(
-        {
-            "graphs": [
-                json.loads(pages[f"circuit-tracer/graph-{i:02d}.json"])["metadata"] for i in range(len(built))
-            ]
-        },
+        {"graphs": [json.loads(pages[f"circuit-tracer/graph-{i:02d}.json"])["metadata"] for i in range(len(built))]},
         indent=2,
     )
     table = pd.DataFrame(rows)
@@ -76,18 +75,18 @@ def run(model: Any, options: GraphsOptions, out: Path | None = None, progress: b
 
 
 def _contexts(
-    model: Any, layers: dict[int, Any], built: list, options: GraphsOptions, progress: bool
+    model: Any, layers: dict[int, Any], kept_units: list, options: GraphsOptions, progress: bool
 ) -> dict:
-    """(block, unit) -> [(left, token, right), ...]: the top contexts of every unit kept in some graph."""
+    """(block, unit) -> [(left, token, right), ...]: the top contexts of every unit kept in some graph
+    (``kept_units``: a table of block and unit per graph)."""
     from mxd_lens.analysis.inspect import text_batches, top_activations_of_layers
 
     if options.context_tokens <= 0:
         return {}
     wanted: dict[int, set[int]] = {}
-    for graph, kept in built:
-        f = graph.features
-        for i in kept.nodes[: graph.n_features].nonzero().flatten().tolist():
-            wanted.setdefault(int(f["block"][i]), set()).add(int(f["unit"][i]))
+    for table in kept_units:
+        for block, unit in zip(table["block"], table["unit"], strict=True):
+            wanted.setdefault(int(block), set()).add(int(unit))
     if not wanted:
         return {}
     batches = text_batches(model, None, options.context_tokens, min(128, model.cfg.n_ctx))
