@@ -44,6 +44,7 @@ GUARANTEES = {  # test id -> column
     "probe": "probe",
     "steer": "steer",
     "export": "export",
+    "graph": "graph (every block)",
 }
 # blocks normalise the MLP output: layers write the MLP module
 POST_NORM = {"gemma2", "gemma3", "olmo2", "olmo3"}
@@ -524,6 +525,49 @@ def check_export(h: Host) -> str:
     return "✓"
 
 
+def check_graph(h: Host) -> str:
+    """An attribution graph with a layer at every block (MxD where the family takes it, else TopK; a skip
+    transcoder at the last): every target's in-edges and bias sum to its input (<= 1e-4), and those inputs
+    are the model's own on the prompt (each unit's pre-activation on its MLP's clean input, each logit)."""
+    from mxd_lens import MxD, TopKSkipTranscoder, TopKTranscoder
+    from mxd_lens.graph import build_graph
+
+    model, n = h.model, h.model.cfg.n_layers
+    layers = []
+    for block in range(n):
+        cls = TopKSkipTranscoder if block == n - 1 else MxD if h.mxd_ok else TopKTranscoder
+        layers.append(randomise(cls.for_model(model, block, d_sae=16, k=3), block, scale=0.3))
+    tokens = h.tokens[:1, :8]
+    graph = build_graph(model, layers, tokens)
+    errors = graph.completeness_errors()
+    allowed = torch.full_like(errors, 1e-4)
+    if TOL.eps is not None and bool((errors > allowed).any()):  # a half model: its rounding, summed over the edges
+        rows = torch.cat([torch.arange(graph.n_features), torch.arange(graph.n_nodes - graph.n_logits, graph.n_nodes)])
+        summed = graph.adjacency[rows].abs().sum(1) + graph.bias[rows].abs()
+        allowed += HALF_UNITS * TOL.eps * summed / graph.inputs[rows].abs().clamp_min(1.0)
+        TOL.widened = True
+    worst = int(torch.argmax(errors - allowed))
+    require(bool((errors <= allowed).all()), "completeness > 1e-4",
+            f"|in-edges + bias - input| / max(|input|, 1) = {float(errors[worst]):.2e} > {float(allowed[worst]):.2e}")  # fmt: skip
+    require(graph.n_features > 0, "no feature node")
+    want = []
+    for block, position, unit in zip(graph.features["block"], graph.features["position"], graph.features["unit"],
+                                     strict=True):  # fmt: skip
+        layer = layers[block]
+        x, _ = mlp_io(model, block, tokens)
+        with torch.no_grad():
+            want.append(float((layer.process_sae_in(x[0, position]) @ layer.W_enc + layer.b_enc)[unit]))
+    want = torch.tensor(want)
+    close(graph.inputs[: graph.n_features], want, 1e-4 * max(1.0, float(want.abs().max())),
+          "the units' inputs vs their pre-activations on the clean MLP inputs")  # fmt: skip
+    with torch.no_grad():
+        logits = model(tokens)[0, -1].float()
+    demeaned = (logits - logits.mean())[graph.logit_tokens]
+    close(graph.inputs[-graph.n_logits :], demeaned, 1e-4, "logit targets vs the model's logits",
+          scale=float(logits.abs().max()))  # fmt: skip
+    return "✓"
+
+
 CHECKS: dict[str, Callable[[Host], str]] = {
     "load": check_load,
     "from_mlp": check_from_mlp,
@@ -533,6 +577,7 @@ CHECKS: dict[str, Callable[[Host], str]] = {
     "probe": check_probe,
     "steer": check_steer,
     "export": check_export,
+    "graph": check_graph,
 }
 
 
@@ -566,6 +611,7 @@ def refusal_checks(h: Host) -> dict[str, Callable[[], Any]]:
     from mxd_lens.activations import ModelActivations
     from mxd_lens.analysis import probing
     from mxd_lens.evaluation import evaluate
+    from mxd_lens.graph import build_graph
     from mxd_lens.models import load_model
 
     model = h.model
@@ -584,6 +630,7 @@ def refusal_checks(h: Host) -> dict[str, Callable[[], Any]]:
         "probe": lambda: probing.pooled_activations(model, {"tc": layer}, ["the cat"], progress=False),
         "steer": splice,
         "export": lambda: TopKTranscoder.for_model(model, 1, d_sae=16, k=3),
+        "graph": lambda: build_graph(model, [layer], h.tokens[:1, :8]),
     }
 
 
