@@ -192,10 +192,15 @@ for (const n of data.nodes) {
 """
 
 
-def page_data(graph: Graph, pruned: Pruned) -> dict[str, Any]:
-    """What a graph's page draws (its kept nodes and edges), without the graph's [N, N] matrices."""
+MAX_PAGE_EDGES = 20_000  # a browser draws this many SVG lines in about a second; a million, not at all
+
+
+def page_data(graph: Graph, pruned: Pruned, max_edges: int = MAX_PAGE_EDGES) -> dict[str, Any]:
+    """What a graph's page draws (its kept nodes, and its ``max_edges`` strongest kept edges: ``edges_kept``
+    says how many were kept in all), without the graph's [N, N] matrices."""
+    edges = edge_records(graph, pruned)
     return {"n_blocks": graph.n_blocks, "n_pos": graph.n_pos, "strings": graph.strings,
-            "nodes": node_records(graph, pruned), "edges": edge_records(graph, pruned)}  # fmt: skip
+            "nodes": node_records(graph, pruned), "edges": edges[:max_edges], "edges_kept": len(edges)}  # fmt: skip
 
 
 def graph_html(graph: Graph, pruned: Pruned, contexts: Mapping[tuple[int, int], Sequence[tuple[str, str, str]]] | None = None,

@@ -122,3 +122,17 @@ def test_a_layer_whose_encoder_is_not_affine_is_refused_by_name(monkeypatch):
     monkeypatch.setattr(layers[1], "process_sae_in", lambda x: plain(x) / x.norm(dim=-1, keepdim=True))
     with pytest.raises(ValueError, match=r"block 1: the layer's pre-activations are not affine in its input"):
         build_graph(model, layers, TOKENS)
+
+
+def test_a_page_draws_the_strongest_kept_edges_up_to_its_cap():
+    from mxd_lens.graph_files import edge_records, page_data
+
+    model = make_model("gated")
+    graph = build_graph(model, _layers(model, MxD), TOKENS)
+    kept = prune(graph, 0.8, 0.98)
+    every = edge_records(graph, kept)
+    assert len(every) > 3
+    data = page_data(graph, kept, max_edges=3)
+    assert data["edges"] == every[:3] and data["edges_kept"] == len(every)
+    strongest = sorted((abs(w) for *_, w in every), reverse=True)[:3]
+    assert [abs(w) for *_, w in data["edges"]] == strongest

@@ -7,7 +7,7 @@
 #    error term: exact). TOKENS sets the tokens per text.
 # 2. `mxd-lens graphs`: attribution graphs through all 30 blocks for the default suite of 11 prompts, pruned at
 #    node threshold 0.8 and edge threshold 0.98; scores, one HTML page per graph, circuit-tracer's graph files.
-# The small outputs (CSV, JSON, PNG, the pages) are copied to docs/results/replacement/METHOD; report.py joins
+# The small outputs (CSV, JSON, PNG, a picture of graph 03) are copied to docs/results/replacement/METHOD; report.py joins
 # the methods. THREADS (default 2) torch threads. Training's time (train.sh's parts) is in time.txt too.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -23,7 +23,10 @@ mkdir -p $DEST
     --ood-text ${DATA:-../shared/data}/probing/topic_bbc_news.jsonl.xz --out $RUN 2> $RUN/replacement-time.txt
 /usr/bin/time -v .venv/bin/mxd-lens graphs $RUN/final --label $METHOD --out $RUN 2> $RUN/graphs-time.txt
 cp $RUN/replacement/*.csv $RUN/replacement/*.json $RUN/replacement/*.png $DEST/
-mkdir -p $DEST/graphs && cp -r $RUN/graphs/* $DEST/graphs/
+# the graphs' table; the pages and circuit-tracer files (10-100 MB each at 30 blocks) stay in $RUN/graphs
+mkdir -p $DEST/graphs && cp $RUN/graphs/graphs.csv $RUN/graphs/graphs.json $DEST/graphs/
+.venv/bin/python analyses/replacement/picture.py $RUN/graphs/graph-03.html --top 40 --out $DEST/graph-03.png || \
+    echo "no picture of graph 03 (picture.py needs Playwright and Chromium)" >&2
 { for part in train replacement graphs; do
     if [ -f $RUN/$part-time.txt ]; then grep -h "Elapsed\|Maximum resident" $RUN/$part-time.txt | sed "s/^/$part: /"; fi
   done; } > $DEST/time.txt

@@ -59,6 +59,8 @@ def run(model: Any, options: GraphsOptions, out: Path | None = None, progress: b
         meta = (f"{label}; {r['features']:,} features, {r['kept_nodes']} nodes and {r['kept_edges']} "
                 f"edges kept (node threshold {options.node_threshold}, edge threshold {options.edge_threshold}); "
                 f"replacement score {r['replacement']:.3f}, completeness score {r['completeness']:.3f}")  # fmt: skip
+        if len(data["edges"]) < data["edges_kept"]:
+            meta += f"; drawn: the {len(data['edges']):,} strongest edges of the {data['edges_kept']:,} kept"
         pages[f"graph-{i:02d}.html"] = page_html(data, contexts, title=prompt, meta=meta)
     pages["circuit-tracer/graph-metadata.json"] = json.dumps(
         {"graphs": [json.loads(pages[f"circuit-tracer/graph-{i:02d}.json"])["metadata"] for i in range(len(built))]},
