@@ -131,7 +131,13 @@ def evaluate(
     rows = [_layer_row(name, rep, spliced, moments, parts[name], baselines) for name, rep in reps.items()]
     if together:
         row = _identity("together", None, ",".join(map(str, plan.blocks)), None, list(reps))
-        rows.append({**row, **spliced.columns("together", plan.blocks, baselines), **spliced.standard_errors("*together")})
+        rows.append(
+            {
+                **row,
+                **spliced.columns("together", plan.blocks, baselines),
+                **spliced.standard_errors("*together"),
+            }
+        )
     for row in rows:
         row["skip_positions"] = plan.first
     for row, rep in zip(rows, reps.values(), strict=False):

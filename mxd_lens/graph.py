@@ -275,7 +275,9 @@ def build_graph(
             columns[b] = _encoder_columns(reps[b], live_x[b][0].detach(), pre[b].detach(), position_at[start:end],
                                           unit_at[start:end], b)  # fmt: skip
     group_targets = [
-        pre[depth[start]][position_at[start:end], unit_at[start:end]] if start < len(features) else demeaned[chosen]
+        pre[depth[start]][position_at[start:end], unit_at[start:end]]
+        if start < len(features)
+        else demeaned[chosen]
         for start, end in zip(groups[:-1], groups[1:], strict=True)
     ]
 

@@ -541,8 +541,12 @@ def check_graph(h: Host) -> str:
     graph = build_graph(model, layers, tokens)
     errors = graph.completeness_errors()
     allowed = torch.full_like(errors, 1e-4)
-    if TOL.eps is not None and bool((errors > allowed).any()):  # a half model: its rounding, summed over the edges
-        rows = torch.cat([torch.arange(graph.n_features), torch.arange(graph.n_nodes - graph.n_logits, graph.n_nodes)])
+    if TOL.eps is not None and bool(
+        (errors > allowed).any()
+    ):  # a half model: its rounding, summed over the edges
+        rows = torch.cat(
+            [torch.arange(graph.n_features), torch.arange(graph.n_nodes - graph.n_logits, graph.n_nodes)]
+        )
         summed = graph.adjacency[rows].abs().sum(1) + graph.bias[rows].abs()
         allowed += HALF_UNITS * TOL.eps * summed / graph.inputs[rows].abs().clamp_min(1.0)
         TOL.widened = True

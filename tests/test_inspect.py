@@ -87,7 +87,9 @@ def test_several_layers_from_one_forward_equal_each_alone(kind):
     calls = []
     counter = model.blocks[0].register_forward_pre_hook(lambda *a: calls.append(1))
     try:
-        both = top_activations_of_layers(model, [(second, [1, 5]), (first, [0, 2, 9])], batches, n=6, progress=False)
+        both = top_activations_of_layers(
+            model, [(second, [1, 5]), (first, [0, 2, 9])], batches, n=6, progress=False
+        )
     finally:
         handle.remove()
         counter.remove()

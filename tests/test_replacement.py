@@ -172,9 +172,13 @@ def test_graphs_study_scores_every_prompt_and_writes_pages_and_circuit_tracer_fi
     assert data["contexts"]
     key = sorted(data["contexts"])[0]
     block, unit = map(int, key.split(":"))
-    (layer,) = [lay for lay in load_replacement([folder / "run" / "final"], model).values() if lay_block(lay) == block]
+    (layer,) = [
+        lay for lay in load_replacement([folder / "run" / "final"], model).values() if lay_block(lay) == block
+    ]
     alone = top_activations(model, layer, text_batches(model, None, 240, 12), [unit], n=5, progress=False)
-    assert data["contexts"][key] == [list(c) for c in zip(alone["left"], alone["token"], alone["right"], strict=True)]
+    assert data["contexts"][key] == [
+        list(c) for c in zip(alone["left"], alone["token"], alone["right"], strict=True)
+    ]
     ct = json.loads((out / "circuit-tracer" / "graph-01.json").read_text())
     assert set(ct) == {"metadata", "qParams", "nodes", "links"}
     ids = {n["node_id"] for n in ct["nodes"]}

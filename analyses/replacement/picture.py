@@ -24,7 +24,9 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description="a picture of a graph page")
     parser.add_argument("page", type=Path)
-    parser.add_argument("--top", type=int, default=None, help="draw only the N most influential feature/error nodes")
+    parser.add_argument(
+        "--top", type=int, default=None, help="draw only the N most influential feature/error nodes"
+    )
     parser.add_argument("--out", type=Path, default=None, help="the PNG (default: beside the page)")
     args = parser.parse_args()
     page_path = args.page.resolve()

@@ -59,7 +59,9 @@ def bends(curve: pd.DataFrame) -> dict[str, object]:
     """Where the curve bends: the n > 1 whose block adds the most KL, and the n at which KL passes half its end."""
     kl = curve.sort_values("n")["kl"].to_numpy()
     steps = [kl[0]] + [kl[i] - kl[i - 1] for i in range(1, len(kl))]
-    biggest = max(range(1, len(steps)), key=lambda i: steps[i]) if len(steps) > 1 else 0  # n = 1: block 0 alone
+    biggest = (
+        max(range(1, len(steps)), key=lambda i: steps[i]) if len(steps) > 1 else 0
+    )  # n = 1: block 0 alone
     half = next(i for i in range(len(kl)) if kl[i] >= kl[-1] / 2)
     return {"biggest_step_n": biggest + 1, "biggest_step": steps[biggest], "half_n": half + 1, "end": kl[-1]}
 
@@ -114,7 +116,9 @@ def compounding_plot(found: dict, path: Path) -> None:
             curve = curve.sort_values("n")
             style = "-" if text == "held-out" else "--"
             label = f"{METHODS[method]}, {text}"
-            axes[0].plot(curve["n"], curve["kl"], style, marker="o", markersize=3, color=COLORS[method], label=label)
+            axes[0].plot(
+                curve["n"], curve["kl"], style, marker="o", markersize=3, color=COLORS[method], label=label
+            )
             axes[1].plot(curve["n"], curve["delta_ce"], style, marker="o", markersize=3, color=COLORS[method])
     axes[0].set_yscale("log")
     axes[0].set_ylabel("KL(clean ‖ spliced), nats/token")
@@ -123,7 +127,9 @@ def compounding_plot(found: dict, path: Path) -> None:
         ax.set_xlabel("blocks spliced at once (the first n)")
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
-    fig.suptitle("SmolLM2-135M: the replacement model built up block by block (524,288 training tokens a layer)")
+    fig.suptitle(
+        "SmolLM2-135M: the replacement model built up block by block (524,288 training tokens a layer)"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -135,7 +141,9 @@ def blocks_plot(found: dict, path: Path) -> None:
     for method, parts in found.items():
         t = parts["blocks"][parts["blocks"]["text"] == "held-out"].sort_values("block")
         for ax, (column, _, _) in zip(axes, columns, strict=True):
-            ax.plot(t["block"], t[column], marker="o", markersize=3, color=COLORS[method], label=METHODS[method])
+            ax.plot(
+                t["block"], t[column], marker="o", markersize=3, color=COLORS[method], label=METHODS[method]
+            )
     for ax, (_, name, log) in zip(axes, columns, strict=True):
         ax.set_xlabel("block")
         ax.set_ylabel(name)

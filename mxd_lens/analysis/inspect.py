@@ -55,7 +55,9 @@ def top_activations(
     shows as context. Without a tokenizer, token ids stand in for text.
     ``df.attrs`` records the features asked, the block and the number of tokens ranked.
     """
-    (df,) = top_activations_of_layers(model, [(layer, features)], token_batches, n, context, skip_bos, progress)
+    (df,) = top_activations_of_layers(
+        model, [(layer, features)], token_batches, n, context, skip_bos, progress
+    )
     return df
 
 

@@ -63,7 +63,11 @@ def run(model: Any, options: GraphsOptions, out: Path | None = None, progress: b
             meta += f"; drawn: the {len(data['edges']):,} strongest edges of the {data['edges_kept']:,} kept"
         pages[f"graph-{i:02d}.html"] = page_html(data, contexts, title=prompt, meta=meta)
     pages["circuit-tracer/graph-metadata.json"] = json.dumps(
-        {"graphs": [json.loads(pages[f"circuit-tracer/graph-{i:02d}.json"])["metadata"] for i in range(len(built))]},
+        {
+            "graphs": [
+                json.loads(pages[f"circuit-tracer/graph-{i:02d}.json"])["metadata"] for i in range(len(built))
+            ]
+        },
         indent=2,
     )
     table = pd.DataFrame(rows)
