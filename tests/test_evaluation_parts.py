@@ -266,6 +266,8 @@ def test_rows_keep_their_columns_in_order():
         "d_sae",
         "params",
         *ce,
+        "delta_ce_se",
+        "kl_se",
         "skip_positions",
         "spliced_from",
     ]
