@@ -319,7 +319,8 @@ def build_graph(
                                     is_grads_batched=True, allow_unused=True)  # fmt: skip
         grads = [None if g is None else g.float() for g in grads]  # edges in float32 (a half model's too)
         target_rows = torch.tensor(rows[lo:hi])
-        adjacency[target_rows, n_f + n_err : n_f + n_err + n_pos] = (embed_value * grads[0][:, 0]).sum(-1)
+        if grads[0] is not None:
+            adjacency[target_rows, n_f + n_err : n_f + n_err + n_pos] = (embed_value * grads[0][:, 0]).sum(-1)
         row_bias = torch.zeros(size)
         for b in range(below):
             g = grads[1 + b]
