@@ -193,14 +193,25 @@ for (const n of data.nodes) {
 
 
 MAX_PAGE_EDGES = 20_000  # a browser draws this many SVG lines in about a second; a million, not at all
+MAX_PAGE_NODES = 1_000  # feature and error nodes: more make a position's column thousands of pixels wide
 
 
-def page_data(graph: Graph, pruned: Pruned, max_edges: int = MAX_PAGE_EDGES) -> dict[str, Any]:
-    """What a graph's page draws (its kept nodes, and its ``max_edges`` strongest kept edges: ``edges_kept``
-    says how many were kept in all), without the graph's [N, N] matrices."""
+def page_data(
+    graph: Graph, pruned: Pruned, max_edges: int = MAX_PAGE_EDGES, max_nodes: int = MAX_PAGE_NODES
+) -> dict[str, Any]:
+    """What a graph's page draws, without the graph's [N, N] matrices: its ``max_nodes`` most influential kept
+    feature and error nodes (every token and logit), and the ``max_edges`` strongest kept edges among them;
+    ``nodes_kept`` and ``edges_kept`` say how many the pruned graph holds."""
+    nodes = node_records(graph, pruned)
+    inner = sorted((n for n in nodes if n["kind"] in ("feature", "error")), key=lambda n: n["influence"])
+    drawn = {n["index"] for n in inner[:max_nodes]} | {
+        n["index"] for n in nodes if n["kind"] in ("token", "logit")
+    }
     edges = edge_records(graph, pruned)
+    among = [e for e in edges if e[0] in drawn and e[1] in drawn]
     return {"n_blocks": graph.n_blocks, "n_pos": graph.n_pos, "strings": graph.strings,
-            "nodes": node_records(graph, pruned), "edges": edges[:max_edges], "edges_kept": len(edges)}  # fmt: skip
+            "nodes": [n for n in nodes if n["index"] in drawn], "edges": among[:max_edges],
+            "nodes_kept": len(inner), "edges_kept": len(edges)}  # fmt: skip
 
 
 def graph_html(graph: Graph, pruned: Pruned, contexts: Mapping[tuple[int, int], Sequence[tuple[str, str, str]]] | None = None,

@@ -136,3 +136,16 @@ def test_a_page_draws_the_strongest_kept_edges_up_to_its_cap():
     assert data["edges"] == every[:3] and data["edges_kept"] == len(every)
     strongest = sorted((abs(w) for *_, w in every), reverse=True)[:3]
     assert [abs(w) for *_, w in data["edges"]] == strongest
+    # a node cap: the most influential feature and error nodes (smallest cumulative influence), every token
+    # and logit, and only the edges among what is drawn
+    inner = int(kept.nodes[: graph.n_features + graph.n_errors].sum())
+    capped = page_data(graph, kept, max_nodes=2)
+    assert capped["nodes_kept"] == inner > 2
+    drawn = [n for n in capped["nodes"] if n["kind"] in ("feature", "error")]
+    ranked = sorted(
+        float(kept.cumulative[i]) for i in kept.nodes[: graph.n_features + graph.n_errors].nonzero().flatten()
+    )
+    assert sorted(n["influence"] for n in drawn) == ranked[:2]
+    assert sum(n["kind"] in ("token", "logit") for n in capped["nodes"]) == graph.n_pos + graph.n_logits
+    ids = {n["index"] for n in capped["nodes"]}
+    assert capped["edges"] == [e for e in every if e[0] in ids and e[1] in ids]

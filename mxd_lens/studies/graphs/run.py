@@ -59,8 +59,10 @@ def run(model: Any, options: GraphsOptions, out: Path | None = None, progress: b
         meta = (f"{label}; {r['features']:,} features, {r['kept_nodes']} nodes and {r['kept_edges']} "
                 f"edges kept (node threshold {options.node_threshold}, edge threshold {options.edge_threshold}); "
                 f"replacement score {r['replacement']:.3f}, completeness score {r['completeness']:.3f}")  # fmt: skip
-        if len(data["edges"]) < data["edges_kept"]:
-            meta += f"; drawn: the {len(data['edges']):,} strongest edges of the {data['edges_kept']:,} kept"
+        inner = sum(n["kind"] in ("feature", "error") for n in data["nodes"])
+        if inner < data["nodes_kept"] or len(data["edges"]) < data["edges_kept"]:
+            meta += (f"; drawn: the {inner:,} most influential feature and error nodes of the {data['nodes_kept']:,} "
+                     f"kept, and the {len(data['edges']):,} strongest edges among them (of {data['edges_kept']:,} kept)")  # fmt: skip
         pages[f"graph-{i:02d}.html"] = page_html(data, contexts, title=prompt, meta=meta)
     pages["circuit-tracer/graph-metadata.json"] = json.dumps(
         {
