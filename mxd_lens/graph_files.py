@@ -223,10 +223,11 @@ def graph_html(graph: Graph, pruned: Pruned, contexts: Mapping[tuple[int, int], 
 def page_html(data: Mapping[str, Any], contexts: Mapping[tuple[int, int], Sequence[tuple[str, str, str]]] | None = None,
               title: str = "", meta: str = "") -> str:  # fmt: skip
     """:func:`graph_html` from :func:`page_data`'s record."""
-    data = {
-        **data,
-        "contexts": {f"{b}:{u}": [list(c) for c in cs] for (b, u), cs in (contexts or {}).items()},
-    }
+    drawn = {
+        (n["block"], n["unit"]) for n in data["nodes"] if n["kind"] == "feature"
+    }  # this page's units only
+    kept = {f"{b}:{u}": [list(c) for c in cs] for (b, u), cs in (contexts or {}).items() if (b, u) in drawn}
+    data = {**data, "contexts": kept}
     payload = json.dumps(data).replace("</", "<\\/")
     page = _PAGE.replace("__TITLE__", html.escape(title)).replace("__META__", html.escape(meta))
     return page.replace("__DATA__", payload)

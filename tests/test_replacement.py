@@ -170,6 +170,8 @@ def test_graphs_study_scores_every_prompt_and_writes_pages_and_circuit_tracer_fi
 
     data = json.loads(page.split('<script type="application/json" id="data">')[1].split("</script>")[0])
     assert data["contexts"]
+    drawn = {f"{n['block']}:{n['unit']}" for n in data["nodes"] if n["kind"] == "feature"}
+    assert set(data["contexts"]) <= drawn  # only this page's units
     key = sorted(data["contexts"])[0]
     block, unit = map(int, key.split(":"))
     (layer,) = [
