@@ -40,7 +40,10 @@ def main() -> None:
         # cumulative influence: small for the most influential nodes
         chosen = {n["index"] for n in sorted(inner, key=lambda n: n["influence"])[: args.top]}
         chosen |= {n["index"] for n in data["nodes"] if n["kind"] in ("token", "logit")}
-        kept_nodes, kept_edges = data.get("nodes_kept", len(inner)), data.get("edges_kept", len(data["edges"]))
+        kept_nodes, kept_edges = (
+            data.get("nodes_kept", len(inner)),
+            data.get("edges_kept", len(data["edges"])),
+        )
         data["nodes"] = [n for n in data["nodes"] if n["index"] in chosen]
         data["edges"] = [e for e in data["edges"] if e[0] in chosen and e[1] in chosen]
         note = (f"drawn: the {args.top} most influential of the {kept_nodes:,} feature and error nodes kept, and the "
